@@ -1,0 +1,170 @@
+"""Speed and memory of the attention layer and its Φp, side by side in one run.
+
+    python benchmarks/attention.py                     # fp32, CPU, B=8, dim 128, 4 heads
+    python benchmarks/attention.py --device cuda --dtype bf16 --batch 64
+
+Prints a table and saves ``benchmarks/results/attention-<device>-<dtype>.json``. Each ratio
+compares two variants timed round-robin in this process (median of ``--repeat`` rounds).
+The release's Φp is re-implemented here the straightforward way (4 * heads distance channels
+through PP1 for every query, ``nn.GroupNorm``) as the baseline the shortcuts are measured against.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import peak_memory_mb, print_table, save_json, time_interleaved  # noqa: E402
+
+from posattn import Attention, TokenGrid  # noqa: E402
+from posattn.functional import biased_attention  # noqa: E402
+
+DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16}
+
+
+class ReleasePhi(nn.Module):
+    """Φp computed as the PerViT release does: the full (N', N', 4 * heads) distance embedding of
+    the 2-padded grid, queries cropped to the inner grid, then conv-GroupNorm-ReLU-conv-GroupNorm-
+    sigmoid with every query a batch item."""
+
+    def __init__(self, num_heads: int, height: int, width: int):
+        super().__init__()
+        channels = 4 * num_heads
+        rows = torch.cat([torch.linspace(-1, 1, height), 1 + 2 / (height - 1) * torch.arange(1, 3)])
+        rows = torch.cat([-1 - 2 / (height - 1) * torch.arange(2, 0, -1), rows])
+        cols = torch.cat([torch.linspace(-1, 1, width), 1 + 2 / (width - 1) * torch.arange(1, 3)])
+        cols = torch.cat([-1 - 2 / (width - 1) * torch.arange(2, 0, -1), cols])
+        coords = torch.stack(torch.meshgrid(rows, cols, indexing='ij'), -1).reshape(-1, 2)
+        self.register_buffer('distances', (coords[None] - coords[:, None]).norm(dim=-1, keepdim=True))
+        self.height, self.width = height, width
+        self.rpe_proj = nn.Linear(1, channels)
+        self.conv1 = nn.Conv2d(channels, channels, 3)
+        self.gn1 = nn.GroupNorm(channels, channels)
+        self.conv2 = nn.Conv2d(channels, num_heads, 3)
+        self.gn2 = nn.GroupNorm(num_heads, num_heads)
+
+    def forward(self) -> torch.Tensor:
+        hp, wp = self.height + 4, self.width + 4
+        x = rearrange(self.rpe_proj(self.distances), '(i j) (k l) d -> d i j k l', i=hp, j=wp, k=hp, l=wp)
+        x = rearrange(x[:, 2:-2, 2:-2], 'd i j k l -> (i j) d k l')
+        x = self.gn2(self.conv2(F.relu(self.gn1(self.conv1(x)))))
+        return torch.sigmoid(rearrange(x, '(i j) h k l -> () h (i j) (k l)', i=self.height, j=self.width))
+
+
+def fwd_bwd(forward: Callable[[], torch.Tensor], upstream: torch.Tensor) -> Callable[[], None]:
+    def step():
+        forward().backward(upstream)
+    return step
+
+
+def compare(name: str, grid: int, variants: Dict[str, Callable[[], None]], target: str,
+            check: Optional[Callable[[Dict[str, object]], bool]], args, memory: bool = False) -> Dict[str, object]:
+    a, b = variants
+    times = time_interleaved(variants, repeat=args.repeat, device=args.device)
+    row = {'comparison': name, 'grid': f'{grid}x{grid}', 'A': a, 'B': b,
+           'A ms': times[a], 'B ms': times[b], 'A/B time': times[a] / times[b]}
+    if memory:
+        mem_a, mem_b = (peak_memory_mb(variants[v], args.device) for v in (a, b))
+        row.update({'A MiB': mem_a, 'B MiB': mem_b, 'A/B memory': mem_a / mem_b})
+    row.update({'target': target, 'met': check(row) if check else ''})
+    return row
+
+
+def run(args) -> List[Dict[str, object]]:
+    device, dtype = args.device, DTYPES[args.dtype]
+    batch, dim, heads = args.batch, args.dim, args.heads
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    rows = []
+    for size in args.grids:
+        tokens = size * size
+        grid = TokenGrid(size, size)
+        layers = {phi: Attention(dim, heads, phi=phi).to(device) for phi in ('peripheral', 'none')}
+        x = torch.randn(batch, tokens, dim, device=device, requires_grad=True)
+        upstream = torch.randn(batch, tokens, dim, device=device)
+
+        def layer_step(phi):
+            def forward():
+                with autocast:
+                    return layers[phi](x, grid)
+            return fwd_bwd(forward, upstream)
+
+        limit_time, limit_mem = (1.3, None) if size <= 14 else (1.6, 3.0)
+        rows.append(compare(
+            'layer fwd+bwd', size, {'peripheral': layer_step('peripheral'), 'none': layer_step('none')},
+            f'time <= {limit_time}x' + (f', memory <= {limit_mem}x' if limit_mem else ''),
+            lambda r, lt=limit_time, lm=limit_mem: r['A/B time'] <= lt and (lm is None or r['A/B memory'] <= lm),
+            args, memory=True))
+
+        phi = layers['peripheral'].phi
+        release = ReleasePhi(heads, size, size).to(device)
+        phi_upstream = torch.randn(1, heads, tokens, tokens, device=device)
+        q = torch.empty(1, heads, tokens, dim // heads, device=device)
+        minimum = 1.7 if size <= 14 else 2.0
+        rows.append(compare(
+            'Φp fwd+bwd', size,
+            {'release': fwd_bwd(release, phi_upstream),
+             'posattn': fwd_bwd(lambda: phi.logits_bias(q, q, grid), phi_upstream)},
+            f'speed-up >= {minimum}x', lambda r, m=minimum: r['A/B time'] >= m, args, memory=True))
+
+        for layer in layers.values():
+            layer.eval()
+
+        def inference(phi):
+            def forward():
+                with torch.no_grad(), autocast:
+                    layers[phi](x, grid)
+            return forward
+        rows.append(compare('eval forward, Φp cached', size,
+                            {'peripheral': inference('peripheral'), 'none': inference('none')},
+                            'time <= 1.15x', lambda r: r['A/B time'] <= 1.15, args))
+
+        qkv = [torch.randn(batch, heads, tokens, dim // heads, device=device, dtype=dtype,
+                           requires_grad=True) for _ in range(3)]
+        bias = torch.randn(1, heads, tokens, tokens, device=device, dtype=dtype, requires_grad=True)
+        out_upstream = torch.randn_like(qkv[0])
+        rows.append(compare(
+            'attention fwd+bwd, bias with grad', size,
+            {'biased_attention': fwd_bwd(lambda: biased_attention(*qkv, bias), out_upstream),
+             'SDPA, no bias': fwd_bwd(lambda: F.scaled_dot_product_attention(*qkv), out_upstream)},
+            'report', None, args, memory=True))
+        rows.append(compare(
+            'attention fwd+bwd, bias with grad', size,
+            {'SDPA, grad mask': fwd_bwd(lambda: F.scaled_dot_product_attention(*qkv, attn_mask=bias),
+                                        out_upstream),
+             'biased_attention': fwd_bwd(lambda: biased_attention(*qkv, bias), out_upstream)},
+            'report', None, args, memory=True))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--device', type=torch.device, default=torch.device('cpu'))
+    parser.add_argument('--dtype', choices=sorted(DTYPES), default='fp32')
+    parser.add_argument('--batch', type=int, default=8)
+    parser.add_argument('--dim', type=int, default=128)
+    parser.add_argument('--heads', type=int, default=4)
+    parser.add_argument('--grids', type=int, nargs='+', default=[14, 28])
+    parser.add_argument('--repeat', type=int, default=15)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    rows = run(args)
+    columns = ['comparison', 'grid', 'A', 'B', 'A ms', 'B ms', 'A/B time', 'A MiB', 'B MiB',
+               'A/B memory', 'target', 'met']
+    print(f'B={args.batch} dim={args.dim} heads={args.heads} {args.dtype} on {args.device}, '
+          f'{torch.get_num_threads()} threads, torch {torch.__version__}')
+    print_table(rows, columns)
+    path = save_json(f'attention-{args.device.type}-{args.dtype}', {'settings': {
+        'batch': args.batch, 'dim': args.dim, 'heads': args.heads, 'dtype': args.dtype,
+        'device': str(args.device), 'repeat': args.repeat}, 'rows': rows})
+    print(f'saved {path}')
+
+
+if __name__ == '__main__':
+    main()

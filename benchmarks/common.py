@@ -1,0 +1,112 @@
+"""Measuring helpers shared by the benchmarks: interleaved timing, peak memory, tables, JSON.
+
+Ratios are only meaningful when both sides run in the same process, on the same inputs, close
+in time: :func:`time_interleaved` alternates the variants round by round and reports medians.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Mapping, Sequence
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+RESULTS = Path(__file__).resolve().parent / 'results'
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+
+
+def time_interleaved(fns: Mapping[str, Callable[[], object]], repeat: int = 20, warmup: int = 3,
+                     device: torch.device = torch.device('cpu')) -> Dict[str, float]:
+    """Median milliseconds of each callable, measured round-robin so drift hits all alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: Dict[str, List[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            samples[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def _allocation_events(prof) -> List[tuple]:
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        fields = event.extra_fields
+        if type(fields).__name__ == '_ExtraFields_Allocation':
+            events.append((event.start_time_ns, fields.alloc_size))
+    return sorted(events)
+
+
+def peak_memory_mb(fn: Callable[[], object], device: torch.device = torch.device('cpu')) -> float:
+    """Peak bytes allocated by ``fn`` above what was allocated when it started, in MiB.
+
+    CPU: the profiler's allocation events, summed in time order. CUDA: the allocator's peak.
+    """
+    fn()  # warm up lazily created state outside the measurement
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    current = peak = 0
+    for _, size in _allocation_events(prof):
+        current += size
+        peak = max(peak, current)
+    return peak / 2 ** 20
+
+
+def machine() -> Dict[str, object]:
+    info = {'torch': torch.__version__, 'python': platform.python_version(),
+            'threads': torch.get_num_threads(), 'processor': platform.processor() or platform.machine()}
+    try:
+        with open('/proc/cpuinfo') as cpuinfo:
+            names = [line.split(':', 1)[1].strip() for line in cpuinfo if line.startswith('model name')]
+        info['cpu'] = names[0] if names else None
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info['gpu'] = torch.cuda.get_device_name()
+    return info
+
+
+def print_table(rows: Sequence[Mapping[str, object]], columns: Sequence[str]) -> None:
+    cells = [[_format(row.get(c, '')) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    print('  '.join(c.ljust(w) for c, w in zip(columns, widths)))
+    print('  '.join('-' * w for w in widths))
+    for r in cells:
+        print('  '.join(v.ljust(w) for v, w in zip(r, widths)))
+
+
+def _format(value: object) -> str:
+    if isinstance(value, float):
+        return f'{value:.3g}' if abs(value) < 100 else f'{value:.0f}'
+    if isinstance(value, bool):
+        return 'yes' if value else 'NO'
+    return str(value)
+
+
+def save_json(name: str, payload: Mapping[str, object]) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f'{name}.json'
+    path.write_text(json.dumps({'machine': machine(), **payload}, indent=2) + '\n')
+    return path

@@ -1,0 +1,15 @@
+"""posattn: position-aware multi-head attention for vision transformers.
+
+One attention layer (:class:`Attention`) with a pluggable positional module Φp chosen by name
+from one registry (:func:`list_phis`, :func:`register_phi`, :func:`build_phi`).
+"""
+from . import functional
+from .attention import Attention
+from .grid import TokenGrid
+from .models import create_model, list_models, register_model
+from .phi import PositionalModule, build_phi, list_phis, register_phi
+
+__version__ = '0.1.0'
+
+__all__ = ['Attention', 'TokenGrid', 'PositionalModule', 'register_phi', 'build_phi', 'list_phis',
+           'create_model', 'list_models', 'register_model', 'functional', '__version__']

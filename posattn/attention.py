@@ -1,0 +1,82 @@
+"""The one attention layer of posattn: qkv -> logits (+ Φp) -> softmax -> v -> proj."""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Union
+
+import torch
+from einops import rearrange
+from torch import nn
+
+from .functional import attention_probs, biased_attention
+from .grid import GridLike, TokenGrid
+from .phi import PositionalModule, build_layer_phi
+
+__all__ = ['Attention']
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with a pluggable positional module Φp.
+
+    For head h, with the tokens x first passed through Φp's token hook,
+
+        A_h = softmax(q_h k_h^T / sqrt(d) + b_h),   out = proj(concat_h(A_h v_h + t_h)),
+
+    where b = Φp's logits bias and t = its value term (each absent unless the Φp contributes
+    it). With ``phi='peripheral'`` this is PerViT's Multi-head Peripheral Attention (Eq. 5),
+    with ``'none'`` plain MHSA (Vaswani et al. 2017). The parameter layout (``qkv``: Linear
+    dim -> 3 * dim split as (three, heads, head_dim); ``proj``) is timm's, so swapping keeps weights.
+
+    Args:
+        dim: token channels C.
+        num_heads: attention heads; must divide ``dim``.
+        phi: a registered Φp name (``posattn.list_phis()``) or a built :class:`PositionalModule`.
+        phi_cfg: options of the named Φp; ``dim``, ``num_heads`` and ``head_dim`` are filled in
+            from this layer where the Φp takes them.
+        qkv_bias: bias on the qkv projection.
+        attn_drop: dropout on the attention probabilities (materialises them while training).
+        proj_drop: dropout after the output projection.
+        num_prefix_tokens: extra tokens (class, distillation) before the grid in every input.
+    """
+
+    def __init__(self, dim: int, num_heads: int, phi: Union[str, PositionalModule] = 'none',
+                 phi_cfg: Optional[Mapping[str, Any]] = None, qkv_bias: bool = True,
+                 attn_drop: float = 0.0, proj_drop: float = 0.0, num_prefix_tokens: int = 0):
+        super().__init__()
+        if num_heads < 1 or dim % num_heads:
+            raise ValueError(f'dim {dim} is not divisible by num_heads {num_heads}')
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.num_prefix_tokens = num_prefix_tokens
+        if isinstance(phi, PositionalModule):
+            if phi_cfg:
+                raise ValueError('phi_cfg applies to a Φp given by name, not to a built module')
+            self.phi = phi
+        else:
+            self.phi = build_layer_phi(phi, phi_cfg, dim=dim, num_heads=num_heads, head_dim=self.head_dim)
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(self, x: torch.Tensor, hw: GridLike) -> torch.Tensor:
+        """x: (B, N, C) with N = num_prefix_tokens + H * W; hw: (H, W) or a TokenGrid."""
+        grid = TokenGrid.of(hw, self.num_prefix_tokens)
+        if x.dim() != 3:
+            raise ValueError(f'expected tokens (B, N, C), got shape {tuple(x.shape)}')
+        grid.check_num_tokens(x.shape[1])
+        x = self.phi.tokens(x, grid)
+        q, k, v = rearrange(self.qkv(x), 'b n (three h d) -> three b h n d',
+                            three=3, h=self.num_heads).unbind(0)
+        bias = self.phi.logits_bias(q, k, grid)
+        if self.phi.uses_attention_probs or (self.training and self.attn_drop.p > 0):
+            attn = self.attn_drop(attention_probs(q, k, bias))
+            out = attn @ v
+            value_term = self.phi.value_term(attn, grid)
+            if value_term is not None:
+                out = out + value_term
+        else:
+            out = biased_attention(q, k, v, bias)
+        return self.proj_drop(self.proj(rearrange(out, 'b h n d -> b n (h d)')))
+
+    def extra_repr(self) -> str:
+        return f'num_heads={self.num_heads}, head_dim={self.head_dim}, num_prefix_tokens={self.num_prefix_tokens}'

@@ -1,0 +1,76 @@
+"""Token-grid geometry: which tokens of a sequence form the H x W image grid.
+
+A sequence is ``num_prefix_tokens`` extra tokens (class, distillation; timm's name) followed by
+the H x W grid in row-major order, so ``N = num_prefix_tokens + H * W``. Every layer checks its
+input against a :class:`TokenGrid` and fails with a message that says what it expected, rather
+than guessing ``H = W = sqrt(N)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+__all__ = ['TokenGrid', 'GridLike']
+
+
+def _plural(count: int, noun: str) -> str:
+    return f'{count} {noun}' + ('' if count == 1 else 's')
+
+
+@dataclass(frozen=True)
+class TokenGrid:
+    """Layout of a token sequence.
+
+    Args:
+        height: grid rows H (>= 1).
+        width: grid columns W (>= 1).
+        num_prefix_tokens: extra tokens before the grid (>= 0).
+    """
+    height: int
+    width: int
+    num_prefix_tokens: int = 0
+
+    def __post_init__(self):
+        for name in ('height', 'width', 'num_prefix_tokens'):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f'TokenGrid.{name} must be an int, got {value!r}')
+        if self.height < 1 or self.width < 1:
+            raise ValueError(
+                f'empty grid {self.height}x{self.width}: height and width must be at least 1')
+        if self.num_prefix_tokens < 0:
+            raise ValueError(f'num_prefix_tokens must be >= 0, got {self.num_prefix_tokens}')
+
+    @classmethod
+    def of(cls, hw: 'GridLike', num_prefix_tokens: int = 0) -> 'TokenGrid':
+        """A grid from ``(H, W)`` and a prefix count, or a :class:`TokenGrid` (whose count must agree)."""
+        if isinstance(hw, TokenGrid):
+            if hw.num_prefix_tokens != num_prefix_tokens:
+                raise ValueError(
+                    f'{hw} does not match this layer, which has '
+                    f'{_plural(num_prefix_tokens, "extra token")}')
+            return hw
+        try:
+            height, width = hw
+        except (TypeError, ValueError):
+            raise TypeError(f'hw must be a (height, width) pair, got {hw!r}') from None
+        return cls(int(height), int(width), num_prefix_tokens)
+
+    @property
+    def num_grid_tokens(self) -> int:
+        return self.height * self.width
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefix_tokens + self.num_grid_tokens
+
+    def check_num_tokens(self, num_tokens: int) -> None:
+        """Raise a ValueError naming the expected count when ``num_tokens`` does not fit the grid."""
+        if num_tokens != self.num_tokens:
+            raise ValueError(f'got {num_tokens} tokens for a {self}; expected {self.num_tokens}')
+
+    def __str__(self) -> str:
+        return f'{self.height}x{self.width} grid with {_plural(self.num_prefix_tokens, "extra token")}'
+
+
+GridLike = Union[TokenGrid, Sequence[int]]

@@ -1,0 +1,10 @@
+"""``none``: no positional module, plain multi-head self-attention."""
+from .base import PositionalModule
+from .registry import register_phi
+
+__all__ = ['NoPosition']
+
+
+@register_phi('none')
+class NoPosition(PositionalModule):
+    """Contributes nothing: attention is softmax(q k^T / sqrt(d)) v (Vaswani et al. 2017)."""

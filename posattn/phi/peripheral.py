@@ -1,0 +1,349 @@
+"""``peripheral``: PerViT's peripheral position encoding, the Φp of Multi-head Peripheral Attention.
+
+PerViT (Min et al., NeurIPS 2022), Eq. 5-8, as the authors' release computes it:
+
+    MPA_h = Normalize_rows[exp(S_h) * Φp_h] V_h = softmax(S_h + log Φp_h) V_h,
+    Φp_h  = sigmoid(z_h),  log Φp_h = logsigmoid(z_h),
+    z     = IN2(PP2(ReLU(IN1(PP1(R))))),   R[q, k, r] = w_r * ||c_k - c_q||,
+
+with c the grid coordinates (``linspace(-1, 1, n)`` per axis), keys padded by 2 on every side
+with the real extrapolated coordinates, PP1 / PP2 3x3 valid convolutions over the key grid
+(4 heads -> 16 hidden channels -> one map per head), IN instance norms over the key grid with
+affine parameters, and w the distance embedding (one per model in the release).
+
+Exact shortcuts (spec ``pervit.md``), none of which changes the result:
+- no nonlinearity sits between w and PP1, so the 4*heads distance channels collapse into one:
+  PP1 is a 1-channel 3x3 conv with kernel sum_r w_r W1[:, r];
+- the distances depend only on the offset k - q, so PP1 runs once on an offset canvas of
+  (2H+3) x (2W+3) distances and each query reads its (H+2) x (W+2) window of the result;
+- the biases of w, PP1 and PP2 add constants that the next instance norm removes, so this
+  module has none (``posattn.convert`` drops them from release checkpoints).
+Feeding ``logsigmoid(z)`` to a softmax instead of multiplying by ``sigmoid(z)`` also keeps a
+sharp Φp (z around -60) exact where the release's L1 normalisation loses the row.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..grid import TokenGrid
+from .base import PositionalModule
+from .registry import register_phi
+
+__all__ = ['PeripheralPhi', 'DistanceEmbedding', 'peripheral_init', 'peripheral_log_attention']
+
+KERNEL_SIZE = 3
+KEY_PADDING = 2 * (KERNEL_SIZE // 2)  # two valid 3x3 convs shrink the padded key grid back to H x W
+NORM_EPS = 1e-5
+# Elements of the (queries, H+2, W+2, hidden) activations per chunk of queries.
+_CHUNK_ELEMENTS = 1 << 20
+_CACHE_ENTRIES = 4
+
+
+def peripheral_init(layer_index: int, num_layers: int) -> Tuple[float, float]:
+    """The release's second-norm initialisation (s_l, v_l) of layer ``layer_index`` of ``num_layers``.
+
+    s_l = linspace(-5, 4, L)[l] sets the size and v_l = linspace(3, 0.01, L)[l] the strength of
+    the initial local attention (PerViT Sec. 3.2 and Appendix A): early layers start local and
+    strong, late layers near uniform.
+    """
+    if not 0 <= layer_index < num_layers:
+        raise ValueError(f'layer_index {layer_index} is outside 0..{num_layers - 1}')
+    bias = torch.linspace(-5.0, 4.0, num_layers, dtype=torch.float64)[layer_index].item()
+    weight = torch.linspace(3.0, 0.01, num_layers, dtype=torch.float64)[layer_index].item()
+    return bias, weight
+
+
+def _axis_offsets(length: int) -> torch.Tensor:
+    """Coordinate offsets -(n+1)..(n+1) in units of the ``linspace(-1, 1, n)`` step, float64.
+
+    A single row or column has no step; it is taken as 2, the extent of [-1, 1].
+    """
+    step = 2.0 / (length - 1) if length > 1 else 2.0
+    return torch.arange(-(length + 1), length + 2, dtype=torch.float64) * step
+
+
+def distance_canvas(height: int, width: int) -> torch.Tensor:
+    """||offset|| for every key-minus-query offset of an H x W grid with 2-padded keys: (2H+3, 2W+3), float64."""
+    rows, cols = _axis_offsets(height), _axis_offsets(width)
+    return torch.sqrt(rows[:, None] ** 2 + cols[None, :] ** 2)
+
+
+def _windows(canvas: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Every (H+2) x (W+2) window of the PP1 canvas (hidden, 2H+1, 2W+1), as a view.
+
+    Returns (hidden, H, W, H+2, W+2) indexed by window start (a, b). Query (i, j) sees padded
+    key (y, x) at offset (y - 2 - i, x - 2 - j), which after the valid 3x3 PP1 is canvas cell
+    (H - 1 - i + y, W - 1 - j + x): window (a, b) = (H - 1 - i, W - 1 - j) is query (i, j)
+    mirrored, so the windows of all queries are one strided view and only the output is flipped.
+    """
+    return canvas.unfold(1, height + 2, 1).unfold(2, width + 2, 1)
+
+
+def _box_means(maps: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Mean of every (H+2) x (W+2) window of (..., 2H+1, 2W+1) maps, from an integral image."""
+    integral = F.pad(maps.cumsum(-2).cumsum(-1), (1, 0, 1, 0))
+    rows, cols = height + 2, width + 2
+    sums = (integral[..., rows:, cols:] - integral[..., :-rows, cols:]
+            - integral[..., rows:, :-cols] + integral[..., :-rows, :-cols])
+    return sums / (rows * cols)
+
+
+@functools.lru_cache(maxsize=16)
+def _grid_moments(height: int, width: int, device: torch.device) -> Tuple[torch.Tensor, ...]:
+    """What PP1 and IN1 need from the grid alone, in float64.
+
+    PP1's output canvas is sum_s K1[o, s] * shifted_s, with shifted_s the distance canvas moved by
+    the kernel offset s (9 of them). Its window statistics are then K1 . mean_s and
+    K1^T cov_st K1, with the window means (9, H, W) and covariances (9, 9, H, W) of the shifted
+    maps: exact, never negative, and no per-step pass over the canvas.
+    """
+    distances = distance_canvas(height, width)
+    rows, cols = 2 * height + 1, 2 * width + 1
+    shifted = torch.stack([distances[u:u + rows, v:v + cols]
+                           for u in range(KERNEL_SIZE) for v in range(KERNEL_SIZE)])
+    means = _box_means(shifted, height, width)
+    covariances = _box_means(shifted[:, None] * shifted[None], height, width) - means[:, None] * means[None]
+    return shifted.to(device), means.to(device), covariances.to(device)
+
+
+def _row_chunks(height: int, width: int, hidden: int) -> List[slice]:
+    """Slices of window-start rows whose activations stay near ``_CHUNK_ELEMENTS``."""
+    per_row = width * (height + 2) * (width + 2) * hidden
+    step = max(_CHUNK_ELEMENTS // per_row, 1)
+    return [slice(a, min(a + step, height)) for a in range(0, height, step)]
+
+
+def _chunk_forward(canvas, scale, shift, proj2, norm2_weight, norm2_bias, rows):
+    """Window rows ``rows``: (ReLU(IN1) activations, IN2-normalised maps, IN2 1/std, log Φp).
+
+    PP2 is one GEMM, (9 * heads, hidden) @ (hidden, positions), then 9 shifted adds.
+    """
+    hidden_dim, height, width = scale.shape
+    windows = _windows(canvas, height, width)[:, rows]  # (hidden, r, W, H+2, W+2)
+    hidden = torch.addcmul(shift[:, rows, :, None, None], windows, scale[:, rows, :, None, None],
+                           out=canvas.new_empty(windows.shape)).relu_()
+    queries = hidden.shape[1] * width
+    products = (proj2 @ hidden.view(hidden_dim, -1)).view(KERNEL_SIZE ** 2, -1, queries,
+                                                            height + 2, width + 2)
+    maps = products[0, :, :, :height, :width].clone()  # (heads, q, H, W)
+    for offset in range(1, KERNEL_SIZE ** 2):
+        u, v = divmod(offset, KERNEL_SIZE)
+        maps += products[offset, :, :, u:u + height, v:v + width]
+    maps = maps.view(-1, queries, height * width)
+    centered = maps - maps.mean(-1, keepdim=True)
+    inv_std = torch.rsqrt(centered.square().mean(-1, keepdim=True) + NORM_EPS)
+    normed = centered.mul_(inv_std)
+    log_phi = F.logsigmoid(torch.addcmul(norm2_bias[:, None, None], normed, norm2_weight[:, None, None]))
+    return hidden, normed, inv_std, log_phi
+
+
+def _flip_offsets(rows: torch.Tensor) -> torch.Tensor:
+    """Reverse the kernel offsets of (9 * heads, ...) rows: offset (u, v) <-> (2 - u, 2 - v)."""
+    return rows.view(KERNEL_SIZE ** 2, -1, *rows.shape[1:]).flip(0).view(rows.shape)
+
+
+def _flipped_products_grad(grad_maps: torch.Tensor) -> torch.Tensor:
+    """Gradient of PP2's per-offset products, offsets reversed: (9 * heads, q * (H+2) * (W+2)).
+
+    Product (u, v) at (y, x) feeds map (y - u, x - v), so its gradient is the map gradient
+    shifted; with the offsets reversed, all nine are positive-stride windows of the gradient
+    zero-padded by 2, gathered in one copy.
+    """
+    heads, queries, height, width = grad_maps.shape
+    padded = F.pad(grad_maps, (KERNEL_SIZE - 1,) * 4)
+    row_stride, col_stride = padded.stride(2), padded.stride(3)
+    windows = padded.as_strided(
+        (KERNEL_SIZE, KERNEL_SIZE, heads, queries, height + 2, width + 2),
+        (row_stride, col_stride, padded.stride(0), padded.stride(1), row_stride, col_stride))
+    return windows.reshape(KERNEL_SIZE ** 2 * heads, -1)
+
+
+class _LogPeripheralAttention(torch.autograd.Function):
+    """log Φp = logsigmoid(IN2(PP2(ReLU(IN1(PP1))))) for all queries, from the PP1 canvas.
+
+    IN1's statistics come in as a per-query affine (``scale``, ``shift``: (hidden, H, W) by
+    window start), so the work per query is one fused affine + ReLU over its window of the
+    canvas, PP2 as one GEMM and 9 shifted adds, and IN2 over the H x W keys. Queries run in
+    chunks of window rows; when there is more than one chunk the backward recomputes each
+    instead of keeping the (hidden, queries, H+2, W+2) activations, so memory stays at one
+    chunk's whatever the grid. Output: (heads, H*W, H*W) indexed [head, query, key].
+    """
+
+    @staticmethod
+    def forward(ctx, canvas, scale, shift, proj2, norm2_weight, norm2_bias):
+        hidden_dim, height, width = scale.shape
+        tokens = height * width
+        chunks = _row_chunks(height, width, hidden_dim)
+        mirrored = canvas.new_empty(norm2_weight.shape[0], tokens, tokens)  # queries by window start
+        for rows in chunks:
+            activations = _chunk_forward(canvas, scale, shift, proj2, norm2_weight, norm2_bias, rows)
+            mirrored[:, rows.start * width:rows.stop * width] = activations[-1]
+        ctx.save_for_backward(canvas, scale, shift, proj2, norm2_weight, norm2_bias)
+        ctx.activations = activations if len(chunks) == 1 else None
+        return mirrored.flip(1)  # window (a, b) is query (H-1-a, W-1-b): reverse the query axis
+
+    @staticmethod
+    def backward(ctx, grad):
+        canvas, scale, shift, proj2, norm2_weight, norm2_bias = ctx.saved_tensors
+        hidden_dim, height, width = scale.shape
+        grad_mirrored = grad.flip(1)
+        grad_canvas, grad_scale, grad_shift, grad_proj2 = map(torch.zeros_like, (canvas, scale, shift, proj2))
+        grad_norm2_weight, grad_norm2_bias = map(torch.zeros_like, (norm2_weight, norm2_bias))
+        windows = _windows(canvas, height, width)
+        for rows in _row_chunks(height, width, hidden_dim):
+            hidden, normed, inv_std, log_phi = ctx.activations or _chunk_forward(
+                canvas, scale, shift, proj2, norm2_weight, norm2_bias, rows)
+            queries = hidden.shape[1] * width
+            grad_logits = grad_mirrored[:, rows.start * width:rows.stop * width] * torch.expm1(log_phi).neg_()
+            grad_norm2_weight += (grad_logits * normed).sum((1, 2))
+            grad_norm2_bias += grad_logits.sum((1, 2))
+            grad_normed = grad_logits.mul_(norm2_weight[:, None, None])
+            grad_maps = (grad_normed - grad_normed.mean(-1, keepdim=True)
+                         - normed * (grad_normed * normed).mean(-1, keepdim=True)).mul_(inv_std)
+            grad_products = _flipped_products_grad(grad_maps.view(-1, queries, height, width))
+            flat_hidden = hidden.view(hidden_dim, -1)
+            grad_proj2 += _flip_offsets(grad_products @ flat_hidden.t())
+            grad_hidden = torch.ops.aten.threshold_backward(
+                _flip_offsets(proj2).t() @ grad_products, flat_hidden, 0)
+            grad_hidden = grad_hidden.view(hidden.shape)
+            chunk_windows = windows[:, rows]  # (hidden, r, W, H+2, W+2)
+            grad_scale[:, rows] = (grad_hidden * chunk_windows).sum((-2, -1))
+            grad_shift[:, rows] = grad_hidden.sum((-2, -1))
+            grad_windows = grad_hidden.mul_(scale[:, rows, :, None, None])
+            covered = slice(rows.start, rows.stop + height + 1)
+            with torch.enable_grad():
+                part = canvas[:, covered].detach().requires_grad_()
+                grad_canvas[:, covered] += torch.autograd.grad(
+                    _windows(part, height, width), part, grad_windows)[0]
+        ctx.activations = None
+        return grad_canvas, grad_scale, grad_shift, grad_proj2, grad_norm2_weight, grad_norm2_bias
+
+
+def peripheral_log_attention(height: int, width: int, distance_weight: torch.Tensor,
+                             proj1_weight: torch.Tensor, norm1_weight: torch.Tensor,
+                             norm1_bias: torch.Tensor, proj2_weight: torch.Tensor,
+                             norm2_weight: torch.Tensor, norm2_bias: torch.Tensor) -> torch.Tensor:
+    """log Φp for an H x W grid: (heads, H*W, H*W), indexed [head, query, key].
+
+    PP1 runs once on the offset canvas, and IN1's window statistics come from the grid's cached
+    moments (:func:`_grid_moments`), all in float64: Φp is ill-conditioned, and one-pass fp32
+    statistics lose it.
+    """
+    dtype = proj1_weight.dtype
+    shifted, means, covariances = _grid_moments(height, width, proj1_weight.device)
+    kernel = torch.einsum('orhw,r->ohw', proj1_weight.double(), distance_weight.double()).flatten(1)
+    canvas = torch.einsum('os,sxy->oxy', kernel, shifted)  # PP1 output: (hidden, 2H+1, 2W+1)
+    mean = torch.einsum('os,shw->ohw', kernel, means)  # (hidden, H, W) by window start
+    var = torch.einsum('os,sthw,ot->ohw', kernel, covariances, kernel)
+    scale = norm1_weight.double()[:, None, None] * torch.rsqrt(var + NORM_EPS)
+    shift = norm1_bias.double()[:, None, None] - scale * mean
+    proj2 = proj2_weight.permute(2, 3, 0, 1).reshape(-1, proj2_weight.shape[1])  # (9 * heads, hidden)
+    return _LogPeripheralAttention.apply(canvas.to(dtype), scale.to(dtype), shift.to(dtype), proj2,
+                                         norm2_weight, norm2_bias)
+
+
+class DistanceEmbedding(nn.Module):
+    """Multi-scale distance embedding R[q, k, r] = w_r * ||c_k - c_q|| (PerViT Eq. 6, 'Euc').
+
+    The release uses one ``nn.Linear(1, 4 * heads)`` for the whole model; its bias is a constant
+    that the first instance norm removes, so only the weight w (num_scales,) is kept.
+    Initialised to w_r = -0.02 (release).
+    """
+
+    def __init__(self, num_scales: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((num_scales,), -0.02))
+
+
+@register_phi('peripheral')
+class PeripheralPhi(PositionalModule):
+    """PerViT's peripheral Φp: a batch-free logits bias logsigmoid(z) shared by the batch.
+
+    Pairs involving prefix (class) tokens get no bias. At eval, and whenever no gradient can
+    reach the parameters, the bias is cached per (H, W, prefix tokens, dtype, device); the key
+    includes every parameter's version counter, so optimiser steps and ``load_state_dict``
+    invalidate it, and ``train()`` clears it.
+
+    Args:
+        num_heads: attention heads; the distance embedding and hidden maps have 4 * heads
+            channels (paper: D_r = D_hid = 4 N_h).
+        layer_index: this layer's index among ``num_layers`` for the release's layer-dependent
+            initialisation of the second norm (:func:`peripheral_init`); the default single
+            layer gets s = -5, v = 3, the paper's "conv" initialisation.
+        num_layers: number of layers the initialisation spreads over.
+        distance_embedding: a :class:`DistanceEmbedding` shared with other layers (the release
+            shares one per model). The owner registers it; this module does not, so a model's
+            state_dict holds it once. None creates one owned by this module.
+    """
+
+    def __init__(self, num_heads: int, layer_index: int = 0, num_layers: int = 1,
+                 distance_embedding: Optional[DistanceEmbedding] = None):
+        super().__init__()
+        channels = 4 * num_heads
+        if distance_embedding is None:
+            self.distance_embedding = DistanceEmbedding(channels)
+        else:
+            if distance_embedding.weight.shape != (channels,):
+                raise ValueError(f'a shared distance embedding for {num_heads} heads needs '
+                                 f'{channels} scales, got {tuple(distance_embedding.weight.shape)}')
+            object.__setattr__(self, 'distance_embedding', distance_embedding)  # not registered here
+        self.num_heads = num_heads
+        size, strength = peripheral_init(layer_index, num_layers)
+        k = KERNEL_SIZE
+        self.proj1_weight = nn.Parameter(torch.full((channels, channels, k, k), 0.02))
+        self.norm1_weight = nn.Parameter(torch.ones(channels))
+        self.norm1_bias = nn.Parameter(torch.zeros(channels))
+        self.proj2_weight = nn.Parameter(torch.full((num_heads, channels, k, k), 0.02))
+        self.norm2_weight = nn.Parameter(torch.full((num_heads,), strength))  # v_l: strength
+        self.norm2_bias = nn.Parameter(torch.full((num_heads,), size))  # s_l: size
+        self._cache: Dict[tuple, torch.Tensor] = {}
+        self.register_load_state_dict_post_hook(lambda module, keys: module._cache.clear())
+
+    def _weights(self) -> Tuple[torch.Tensor, ...]:
+        return (self.distance_embedding.weight, self.proj1_weight, self.norm1_weight,
+                self.norm1_bias, self.proj2_weight, self.norm2_weight, self.norm2_bias)
+
+    def log_position_attention(self, height: int, width: int) -> torch.Tensor:
+        """log Φp for an H x W grid: (heads, H*W, H*W) in the parameters' dtype, [head, query, key]."""
+        with torch.autocast(self.proj1_weight.device.type, enabled=False):
+            return peripheral_log_attention(height, width, *self._weights())
+
+    def position_attention(self, height: int, width: int) -> torch.Tensor:
+        """Φp itself (heads, H*W, H*W), values in (0, 1), indexed [head, query, key]."""
+        return torch.exp(self.log_position_attention(height, width))
+
+    def _bias(self, grid: TokenGrid, dtype: torch.dtype) -> torch.Tensor:
+        bias = self.log_position_attention(grid.height, grid.width)
+        prefix = grid.num_prefix_tokens
+        if prefix:
+            bias = F.pad(bias, (prefix, 0, prefix, 0))
+        return bias.to(dtype).unsqueeze(0)  # (1, heads, N, N)
+
+    def _cacheable(self) -> bool:
+        if self.training or torch.compiler.is_compiling():
+            return False
+        return not (torch.is_grad_enabled() and any(w.requires_grad for w in self._weights()))
+
+    def logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
+        if not self._cacheable():
+            return self._bias(grid, q.dtype)
+        key = (grid, q.dtype, q.device, torch.is_inference_mode_enabled(),
+               tuple((w.data_ptr(), w._version) for w in self._weights()))
+        bias = self._cache.get(key)
+        if bias is None:
+            while len(self._cache) >= _CACHE_ENTRIES:
+                self._cache.pop(next(iter(self._cache)))
+            bias = self._cache[key] = self._bias(grid, q.dtype)
+        return bias
+
+    def train(self, mode: bool = True) -> 'PeripheralPhi':
+        self._cache.clear()
+        return super().train(mode)
+
+    def extra_repr(self) -> str:
+        return f'num_heads={self.num_heads}'

@@ -1,0 +1,68 @@
+"""The one registry that maps Φp names to their classes."""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Dict, List, Mapping, Optional, Type, TypeVar
+
+from .base import PositionalModule
+
+__all__ = ['register_phi', 'build_phi', 'list_phis', 'phi_class', 'build_layer_phi']
+
+_PHIS: Dict[str, Type[PositionalModule]] = {}
+
+PhiClass = TypeVar('PhiClass', bound=Type[PositionalModule])
+
+
+def register_phi(name: str) -> Callable[[PhiClass], PhiClass]:
+    """Class decorator that makes a :class:`PositionalModule` buildable by ``name``."""
+    def add(cls: PhiClass) -> PhiClass:
+        if not (isinstance(cls, type) and issubclass(cls, PositionalModule)):
+            raise TypeError(f'register_phi({name!r}) expects a PositionalModule subclass, got {cls!r}')
+        if name in _PHIS and _PHIS[name] is not cls:
+            raise ValueError(f'Φp name {name!r} is already registered by {_PHIS[name].__qualname__}')
+        _PHIS[name] = cls
+        return cls
+    return add
+
+
+def list_phis() -> List[str]:
+    """Names of the registered Φp, sorted."""
+    return sorted(_PHIS)
+
+
+def phi_class(name: str) -> Type[PositionalModule]:
+    try:
+        return _PHIS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f'unknown Φp {name!r}; known: {", ".join(list_phis())}') from None
+
+
+def _options(cls: Type[PositionalModule]) -> Mapping[str, inspect.Parameter]:
+    params = dict(inspect.signature(cls.__init__).parameters)
+    params.pop('self', None)
+    return params
+
+
+def build_phi(name: str, **cfg: Any) -> PositionalModule:
+    """Build the Φp registered as ``name`` with its options ``cfg``."""
+    cls = phi_class(name)
+    options = _options(cls)
+    unknown = sorted(set(cfg) - set(options))
+    if unknown and not any(p.kind is p.VAR_KEYWORD for p in options.values()):
+        raise TypeError(f'Φp {name!r} got unknown option(s) {unknown}; '
+                        f'it takes: {", ".join(options) or "no options"}')
+    return cls(**cfg)
+
+
+def build_layer_phi(name: str, phi_cfg: Optional[Mapping[str, Any]], **layer: Any) -> PositionalModule:
+    """Build a Φp for an attention layer.
+
+    ``layer`` holds what the layer knows (``dim``, ``num_heads``, ``head_dim``); each of these is
+    passed only when the Φp's constructor takes it and ``phi_cfg`` does not set it.
+    """
+    cfg = dict(phi_cfg or {})
+    options = _options(phi_class(name))
+    for key, value in layer.items():
+        if key in options and key not in cfg:
+            cfg[key] = value
+    return build_phi(name, **cfg)

@@ -1,0 +1,208 @@
+"""posattn.Attention: the release's MPA formula, plain MHSA, gradients, caching and errors."""
+import pytest
+import torch
+from torch.func import functional_call
+
+import posattn
+from posattn import Attention, TokenGrid
+
+from reference import (load_release_weights, random_release_weights, release_attention,
+                       release_phi, softmax_attention)
+
+
+def peripheral_layer(dim=16, num_heads=2, num_prefix_tokens=1, seed=0, dtype=torch.float64):
+    layer = Attention(dim, num_heads, phi='peripheral', num_prefix_tokens=num_prefix_tokens).to(dtype)
+    weights = random_release_weights(num_heads, torch.Generator().manual_seed(seed), dtype)
+    load_release_weights(layer.phi, weights)
+    return layer, weights
+
+
+def layer_weights(layer):
+    return layer.qkv.weight, layer.qkv.bias, layer.proj.weight, layer.proj.bias
+
+
+@pytest.mark.parametrize('height,width,prefix', [(4, 5, 1), (3, 3, 0), (1, 6, 2), (5, 2, 1)])
+def test_peripheral_equals_release_formula(height, width, prefix):
+    layer, weights = peripheral_layer(num_prefix_tokens=prefix, seed=height + width)
+    x = torch.randn(3, prefix + height * width, 16, dtype=torch.float64)
+    expected = release_attention(x, *layer_weights(layer), 2, release_phi(height, width, weights), prefix)
+    torch.testing.assert_close(layer(x, (height, width)), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_none_equals_plain_softmax_attention():
+    layer = Attention(16, 4).double()
+    x = torch.randn(2, 10, 16, dtype=torch.float64)
+    expected = softmax_attention(x, *layer_weights(layer), 4)
+    torch.testing.assert_close(layer(x, (2, 5)), expected, rtol=1e-10, atol=1e-12)
+    assert isinstance(layer.phi, posattn.build_phi('none').__class__)
+
+
+def test_gradcheck_through_layer_and_phi_parameters():
+    """Gradients of the input and of every parameter, Φp included, on a 3 x 4 grid with a class token."""
+    layer, _ = peripheral_layer(dim=8, num_heads=2, num_prefix_tokens=1)
+    names = [n for n, _ in layer.named_parameters()]
+    params = tuple(p.detach().clone().requires_grad_() for _, p in layer.named_parameters())
+    x = torch.randn(2, 13, 8, dtype=torch.float64, requires_grad=True)
+
+    def run(x, *values):
+        return functional_call(layer, dict(zip(names, values)), (x, (3, 4)))
+    assert torch.autograd.gradcheck(run, (x, *params), fast_mode=True)
+
+
+def test_phi_does_not_depend_on_the_batch():
+    layer, _ = peripheral_layer()
+    x = torch.randn(4, 21, 16, dtype=torch.float64)
+    together = layer(x, (4, 5))
+    for i in range(4):
+        torch.testing.assert_close(layer(x[i:i + 1], (4, 5)), together[i:i + 1], rtol=1e-12, atol=1e-12)
+    q = torch.randn(4, 2, 21, 8, dtype=torch.float64)
+    bias = layer.phi.logits_bias(q, q, TokenGrid(4, 5, 1))
+    assert bias.shape == (1, 2, 21, 21)
+    torch.testing.assert_close(bias, layer.phi.logits_bias(q[:1] * 3, q[1:2], TokenGrid(4, 5, 1)))
+    assert torch.all(bias[:, :, 0, :] == 0) and torch.all(bias[:, :, :, 0] == 0)
+
+
+def test_sharp_phi_stays_exact_where_release_formula_fails():
+    """z around -60: the release's L1 normalisation clamps at 1e-12 and loses the rows."""
+    layer, weights = peripheral_layer(dim=16, num_heads=2, num_prefix_tokens=0, seed=4)
+    with torch.no_grad():
+        layer.phi.norm2_bias.fill_(-60.0)
+        layer.phi.norm2_weight.fill_(2.0)
+    weights = dict(weights, gn2_b=torch.full((2,), -60.0, dtype=torch.float64),
+                   gn2_w=torch.full((2,), 2.0, dtype=torch.float64))
+    x = torch.randn(2, 20, 16, dtype=torch.float64)
+    log_phi = torch.log(release_phi(4, 5, weights))
+    assert log_phi.max() < -50
+    expected = softmax_attention(x, *layer_weights(layer), 2, log_phi)
+    layer32 = Attention(16, 2, phi='peripheral').float()
+    layer32.load_state_dict({k: v.float() for k, v in layer.state_dict().items()})
+    out32 = layer32(x.float(), (4, 5))
+    assert torch.isfinite(out32).all()
+    torch.testing.assert_close(out32.double(), expected, rtol=1e-4, atol=1e-5)
+    release = release_attention(x, *layer_weights(layer), 2, release_phi(4, 5, weights), 0)
+    assert (release - expected).abs().max() > 1e-2
+
+
+def test_float32_layer_tracks_float64_layer():
+    layer64, _ = peripheral_layer(dim=32, num_heads=4, num_prefix_tokens=1, seed=8)
+    layer32 = Attention(32, 4, phi='peripheral', num_prefix_tokens=1)
+    layer32.load_state_dict({k: v.float() for k, v in layer64.state_dict().items()})
+    x = torch.randn(2, 1 + 14 * 14, 32, dtype=torch.float64)
+    error = (layer32(x.float(), (14, 14)).double() - layer64(x, (14, 14))).abs().max()
+    assert error < 1e-5
+
+
+class TestEvalCache:
+    def setup_method(self):
+        self.layer = Attention(16, 2, phi='peripheral', num_prefix_tokens=1).eval()
+        self.x = torch.randn(2, 21, 16)
+        self.q = torch.randn(2, 2, 21, 8)
+
+    def bias(self, grid=TokenGrid(4, 5, 1)):
+        with torch.no_grad():
+            return self.layer.phi.logits_bias(self.q, self.q, grid)
+
+    def test_eval_reuses_the_bias(self):
+        assert self.bias() is self.bias()
+        assert self.bias(TokenGrid(5, 4, 1)).shape == (1, 2, 21, 21)
+        assert self.bias(TokenGrid(5, 4, 1)) is not self.bias()
+
+    def test_parameter_update_invalidates(self):
+        before = self.bias()
+        optimiser = torch.optim.SGD(self.layer.parameters(), lr=0.5)
+        self.layer.train()
+        self.layer(self.x, (4, 5)).square().sum().backward()
+        optimiser.step()
+        self.layer.eval()
+        after = self.bias()
+        assert after is not before and not torch.equal(after, before)
+        with torch.no_grad():
+            self.layer.phi.distance_embedding.weight.mul_(2)
+        assert not torch.equal(self.bias(), after)
+
+    def test_load_state_dict_and_train_invalidate(self):
+        before = self.bias()
+        other = Attention(16, 2, phi='peripheral', num_prefix_tokens=1)
+        with torch.no_grad():
+            other.phi.norm2_bias.fill_(1.0)
+        self.layer.load_state_dict(other.state_dict())
+        assert not torch.equal(self.bias(), before)
+        self.layer.train()
+        assert not self.layer.phi._cache
+        self.layer.eval()
+        assert self.bias() is self.bias()
+
+    def test_training_and_gradients_are_never_cached(self):
+        self.layer.train()
+        with torch.no_grad():
+            assert self.layer.phi.logits_bias(self.q, self.q, TokenGrid(4, 5, 1)) is not self.bias()
+        self.layer.eval()
+        bias = self.layer.phi.logits_bias(self.q, self.q, TokenGrid(4, 5, 1))  # grad enabled
+        assert bias.requires_grad
+        self.layer(self.x, (4, 5)).sum().backward()
+        assert self.layer.phi.proj1_weight.grad is not None
+
+    def test_cached_output_equals_recomputed(self):
+        with torch.no_grad():
+            cached = self.layer(self.x, (4, 5))
+            cached_again = self.layer(self.x, (4, 5))
+        fresh = self.layer(self.x, (4, 5))
+        torch.testing.assert_close(cached, fresh)
+        assert torch.equal(cached, cached_again)
+
+
+def test_bf16_autocast_keeps_phi_finite():
+    layer = Attention(32, 4, phi='peripheral', phi_cfg=dict(layer_index=0, num_layers=12))
+    x = torch.randn(2, 49, 32)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        out = layer(x, (7, 7))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), layer(x, (7, 7)), rtol=0.05, atol=0.05)
+
+
+def test_any_grid_shape_trains():
+    layer = Attention(16, 2, phi='peripheral', num_prefix_tokens=1)
+    for height, width in [(1, 1), (1, 7), (7, 1), (6, 9)]:
+        x = torch.randn(2, 1 + height * width, 16, requires_grad=True)
+        out = layer(x, (height, width))
+        out.sum().backward()
+        assert out.shape == x.shape and torch.isfinite(x.grad).all()
+
+
+class TestErrors:
+    def test_token_count_names_expected(self):
+        layer = Attention(16, 2, phi='peripheral', num_prefix_tokens=1)
+        with pytest.raises(ValueError, match=r'got 200 tokens for a 14x14 grid with 1 extra token; expected 197'):
+            layer(torch.randn(1, 200, 16), (14, 14))
+        with pytest.raises(ValueError, match=r'got 196 tokens for a 14x14 grid with 2 extra tokens; expected 198'):
+            Attention(16, 2, num_prefix_tokens=2)(torch.randn(1, 196, 16), (14, 14))
+
+    def test_dim_not_divisible_by_heads(self):
+        with pytest.raises(ValueError, match='dim 100 is not divisible by num_heads 3'):
+            Attention(100, 3)
+
+    def test_unknown_phi_lists_known(self):
+        with pytest.raises(ValueError, match=r"unknown Φp 'peripherals'; known: .*none.*peripheral"):
+            Attention(16, 2, phi='peripherals')
+
+    def test_unknown_phi_option(self):
+        with pytest.raises(TypeError, match=r"Φp 'peripheral' got unknown option\(s\) \['heads'\]; it takes: num_heads"):
+            Attention(16, 2, phi='peripheral', phi_cfg=dict(heads=3))
+
+    def test_empty_grid(self):
+        layer = Attention(16, 2, phi='peripheral')
+        with pytest.raises(ValueError, match='empty grid 0x5'):
+            layer(torch.randn(1, 0, 16), (0, 5))
+
+    def test_bad_hw_and_shapes(self):
+        layer = Attention(16, 2)
+        with pytest.raises(TypeError, match=r'hw must be a \(height, width\) pair, got 16'):
+            layer(torch.randn(1, 16, 16), 16)
+        with pytest.raises(ValueError, match=r'expected tokens \(B, N, C\), got shape \(16, 16\)'):
+            layer(torch.randn(16, 16), (4, 4))
+        with pytest.raises(ValueError, match='does not match this layer, which has 0 extra tokens'):
+            layer(torch.randn(1, 17, 16), TokenGrid(4, 4, 1))
+
+    def test_phi_cfg_with_built_module(self):
+        with pytest.raises(ValueError, match='phi_cfg applies to a Φp given by name'):
+            Attention(16, 2, phi=posattn.build_phi('none'), phi_cfg=dict(x=1))

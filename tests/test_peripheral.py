@@ -1,0 +1,123 @@
+"""The peripheral Φp against the release's computation (float64 reference and fixture)."""
+import pytest
+import torch
+
+from posattn.phi import peripheral
+from posattn.phi.peripheral import DistanceEmbedding, PeripheralPhi, peripheral_init
+
+from conftest import load_fixture, weights_recipe
+from reference import load_release_weights, random_release_weights, release_phi
+
+GRIDS = [(14, 14), (3, 4), (5, 9), (1, 1), (1, 5), (6, 1), (2, 2)]
+
+
+def make_phi(num_heads, seed, dtype=torch.float64):
+    weights = random_release_weights(num_heads, torch.Generator().manual_seed(seed), dtype)
+    phi = PeripheralPhi(num_heads).to(dtype)
+    load_release_weights(phi, weights)
+    return phi, weights
+
+
+@pytest.mark.parametrize('height,width', GRIDS)
+def test_shortcuts_equal_straightforward_release_computation(height, width):
+    phi, weights = make_phi(num_heads=2, seed=height * 31 + width)
+    with torch.no_grad():
+        fast = phi.position_attention(height, width)
+    slow = release_phi(height, width, weights)
+    assert fast.shape == (2, height * width, height * width)
+    torch.testing.assert_close(fast, slow, rtol=0, atol=1e-10)
+
+
+def test_gradients_equal_straightforward_release_computation():
+    phi, weights = make_phi(num_heads=2, seed=3)
+    upstream = torch.rand(2, 20, 20, dtype=torch.float64)
+    (phi.position_attention(4, 5) * upstream).sum().backward()
+    leaves = {k: v.requires_grad_() for k, v in weights.items()}
+    (release_phi(4, 5, leaves) * upstream).sum().backward()
+    pairs = {'rpe_w': phi.distance_embedding.weight, 'conv1_w': phi.proj1_weight,
+             'gn1_w': phi.norm1_weight, 'gn1_b': phi.norm1_bias, 'conv2_w': phi.proj2_weight,
+             'gn2_w': phi.norm2_weight, 'gn2_b': phi.norm2_bias}
+    for name, param in pairs.items():
+        torch.testing.assert_close(param.grad.reshape(leaves[name].shape), leaves[name].grad,
+                                   rtol=1e-8, atol=1e-10, msg=name)
+    for dead in ('rpe_b', 'conv1_b', 'conv2_b'):  # removed by the next instance norm
+        assert leaves[dead].grad.abs().max() < 1e-10, dead
+
+
+def test_chunked_recomputation_matches_one_pass(monkeypatch):
+    phi, weights = make_phi(num_heads=2, seed=5)
+    upstream = torch.rand(2, 42, 42, dtype=torch.float64)
+    (phi.position_attention(6, 7) * upstream).sum().backward()
+    one_pass = {n: p.grad.clone() for n, p in phi.named_parameters()}
+    phi.zero_grad()
+    monkeypatch.setattr(peripheral, '_CHUNK_ELEMENTS', 1000)  # 10 queries a chunk, recomputed
+    value = phi.position_attention(6, 7)
+    (value * upstream).sum().backward()
+    torch.testing.assert_close(value, release_phi(6, 7, weights), rtol=0, atol=1e-10)
+    for name, param in phi.named_parameters():
+        torch.testing.assert_close(param.grad, one_pass[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_fp32_tracks_float64_path():
+    phi64, _ = make_phi(num_heads=4, seed=11)
+    phi32 = PeripheralPhi(4)
+    phi32.load_state_dict({k: v.float() for k, v in phi64.state_dict().items()})
+    with torch.no_grad():
+        error = (phi32.position_attention(14, 14).double() - phi64.position_attention(14, 14)).abs().max()
+    assert error < 2e-5
+
+
+def test_fixture_all_layers_of_pervit_tiny():
+    """Φp of the 12 layers of the release's PerViT-T (seed-7 weights) within 1e-4."""
+    fixture = load_fixture('pervit_tiny_release_seed7.pt')
+    state = weights_recipe().release_state_dict(fixture['spec'], fixture['seed'])
+    shared = DistanceEmbedding(16)
+    worst = 0.0
+    for layer in range(12):
+        phi = PeripheralPhi(4, layer_index=layer, num_layers=12, distance_embedding=shared)
+        prefix = f'blocks.{layer}.attn.activation.'
+        load_release_weights(phi, {
+            'rpe_w': state['rpe_proj.weight'], 'conv1_w': state[prefix + 'conv1.weight'],
+            'gn1_w': state[prefix + 'gn1.weight'], 'gn1_b': state[prefix + 'gn1.bias'],
+            'conv2_w': state[prefix + 'conv2.weight'], 'gn2_w': state[prefix + 'gn2.weight'],
+            'gn2_b': state[prefix + 'gn2.bias']})
+        with torch.no_grad():
+            value = phi.position_attention(14, 14)
+        expected = fixture['phi_p'][layer][0]
+        worst = max(worst, (value - expected).abs().max().item())
+        torch.testing.assert_close(value, expected, rtol=0, atol=1e-4, msg=f'layer {layer}')
+    assert worst < 1e-4
+
+
+def test_release_initialisation():
+    assert peripheral_init(0, 12) == (-5.0, 3.0)
+    assert peripheral_init(11, 12) == pytest.approx((4.0, 0.01))
+    assert peripheral_init(0, 1) == (-5.0, 3.0)
+    phi = PeripheralPhi(4, layer_index=3, num_layers=12)
+    s, v = peripheral_init(3, 12)
+    assert torch.all(phi.norm2_bias == torch.tensor(s, dtype=torch.float32))
+    assert torch.all(phi.norm2_weight == torch.tensor(v, dtype=torch.float32))
+    assert torch.all(phi.distance_embedding.weight == -0.02)
+    assert torch.all(phi.proj1_weight == 0.02) and torch.all(phi.proj2_weight == 0.02)
+    with pytest.raises(ValueError, match='layer_index 12 is outside 0..11'):
+        peripheral_init(12, 12)
+
+
+def test_initial_phi_is_local_and_heads_agree():
+    """At the release init every head gives the same map, peaked at the query (PerViT App. A)."""
+    phi = PeripheralPhi(4, layer_index=0, num_layers=12)
+    with torch.no_grad():
+        value = phi.position_attention(7, 7)
+    torch.testing.assert_close(value, value[:1].expand_as(value))
+    centre = 3 * 7 + 3
+    assert value[0, centre].argmax() == centre
+
+
+def test_shared_distance_embedding_is_not_registered_twice():
+    shared = DistanceEmbedding(8)
+    phis = [PeripheralPhi(2, distance_embedding=shared) for _ in range(2)]
+    assert all(p.distance_embedding is shared for p in phis)
+    assert 'distance_embedding.weight' not in phis[0].state_dict()
+    assert 'distance_embedding.weight' in PeripheralPhi(2).state_dict()
+    with pytest.raises(ValueError, match='needs 16 scales, got \\(8,\\)'):
+        PeripheralPhi(4, distance_embedding=shared)
