@@ -54,13 +54,16 @@ def random_release_weights(num_heads, generator, dtype=torch.float64):
 
 
 def load_release_weights(phi, w):
-    """Copy release-named weights into a posattn PeripheralPhi (dropping the dead biases)."""
+    """Copy release-named weights into a posattn PeripheralPhi."""
     with torch.no_grad():
-        phi.distance_embedding.weight.copy_(w['rpe_w'][:, 0])
+        phi.distance_embedding.weight.copy_(w['rpe_w'])
+        phi.distance_embedding.bias.copy_(w['rpe_b'])
         phi.proj1_weight.copy_(w['conv1_w'])
+        phi.proj1_bias.copy_(w['conv1_b'])
         phi.norm1_weight.copy_(w['gn1_w'])
         phi.norm1_bias.copy_(w['gn1_b'])
         phi.proj2_weight.copy_(w['conv2_w'])
+        phi.proj2_bias.copy_(w['conv2_b'])
         phi.norm2_weight.copy_(w['gn2_w'])
         phi.norm2_bias.copy_(w['gn2_b'])
 

@@ -34,14 +34,24 @@ def test_gradients_equal_straightforward_release_computation():
     (phi.position_attention(4, 5) * upstream).sum().backward()
     leaves = {k: v.requires_grad_() for k, v in weights.items()}
     (release_phi(4, 5, leaves) * upstream).sum().backward()
-    pairs = {'rpe_w': phi.distance_embedding.weight, 'conv1_w': phi.proj1_weight,
-             'gn1_w': phi.norm1_weight, 'gn1_b': phi.norm1_bias, 'conv2_w': phi.proj2_weight,
+    pairs = {'rpe_w': phi.distance_embedding.weight, 'rpe_b': phi.distance_embedding.bias,
+             'conv1_w': phi.proj1_weight, 'conv1_b': phi.proj1_bias, 'gn1_w': phi.norm1_weight,
+             'gn1_b': phi.norm1_bias, 'conv2_w': phi.proj2_weight, 'conv2_b': phi.proj2_bias,
              'gn2_w': phi.norm2_weight, 'gn2_b': phi.norm2_bias}
     for name, param in pairs.items():
-        torch.testing.assert_close(param.grad.reshape(leaves[name].shape), leaves[name].grad,
-                                   rtol=1e-8, atol=1e-10, msg=name)
+        torch.testing.assert_close(param.grad, leaves[name].grad, rtol=1e-8, atol=1e-10, msg=name)
     for dead in ('rpe_b', 'conv1_b', 'conv2_b'):  # removed by the next instance norm
-        assert leaves[dead].grad.abs().max() < 1e-10, dead
+        assert pairs[dead].grad.abs().max() < 1e-10, dead
+
+
+def test_biases_removed_by_instance_norms_change_nothing():
+    phi, weights = make_phi(num_heads=2, seed=9)
+    with torch.no_grad():
+        before = phi.position_attention(5, 6)
+        for param in (phi.distance_embedding.bias, phi.proj1_bias, phi.proj2_bias):
+            param.add_(torch.randn_like(param) * 3)
+        after = phi.position_attention(5, 6)
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-12)
 
 
 def test_chunked_recomputation_matches_one_pass(monkeypatch):
@@ -77,10 +87,11 @@ def test_fixture_all_layers_of_pervit_tiny():
         phi = PeripheralPhi(4, layer_index=layer, num_layers=12, distance_embedding=shared)
         prefix = f'blocks.{layer}.attn.activation.'
         load_release_weights(phi, {
-            'rpe_w': state['rpe_proj.weight'], 'conv1_w': state[prefix + 'conv1.weight'],
+            'rpe_w': state['rpe_proj.weight'], 'rpe_b': state['rpe_proj.bias'],
+            'conv1_w': state[prefix + 'conv1.weight'], 'conv1_b': state[prefix + 'conv1.bias'],
             'gn1_w': state[prefix + 'gn1.weight'], 'gn1_b': state[prefix + 'gn1.bias'],
-            'conv2_w': state[prefix + 'conv2.weight'], 'gn2_w': state[prefix + 'gn2.weight'],
-            'gn2_b': state[prefix + 'gn2.bias']})
+            'conv2_w': state[prefix + 'conv2.weight'], 'conv2_b': state[prefix + 'conv2.bias'],
+            'gn2_w': state[prefix + 'gn2.weight'], 'gn2_b': state[prefix + 'gn2.bias']})
         with torch.no_grad():
             value = phi.position_attention(14, 14)
         expected = fixture['phi_p'][layer][0]
@@ -98,6 +109,7 @@ def test_release_initialisation():
     assert torch.all(phi.norm2_bias == torch.tensor(s, dtype=torch.float32))
     assert torch.all(phi.norm2_weight == torch.tensor(v, dtype=torch.float32))
     assert torch.all(phi.distance_embedding.weight == -0.02)
+    assert all(torch.all(b == 0) for b in (phi.distance_embedding.bias, phi.proj1_bias, phi.proj2_bias))
     assert torch.all(phi.proj1_weight == 0.02) and torch.all(phi.proj2_weight == 0.02)
     with pytest.raises(ValueError, match='layer_index 12 is outside 0..11'):
         peripheral_init(12, 12)
@@ -119,5 +131,5 @@ def test_shared_distance_embedding_is_not_registered_twice():
     assert all(p.distance_embedding is shared for p in phis)
     assert 'distance_embedding.weight' not in phis[0].state_dict()
     assert 'distance_embedding.weight' in PeripheralPhi(2).state_dict()
-    with pytest.raises(ValueError, match='needs 16 scales, got \\(8,\\)'):
+    with pytest.raises(ValueError, match='needs 16 scales, got 8'):
         PeripheralPhi(4, distance_embedding=shared)

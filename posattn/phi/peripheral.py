@@ -16,8 +16,8 @@ Exact shortcuts (spec ``pervit.md``), none of which changes the result:
   PP1 is a 1-channel 3x3 conv with kernel sum_r w_r W1[:, r];
 - the distances depend only on the offset k - q, so PP1 runs once on an offset canvas of
   (2H+3) x (2W+3) distances and each query reads its (H+2) x (W+2) window of the result;
-- the biases of w, PP1 and PP2 add constants that the next instance norm removes, so this
-  module has none (``posattn.convert`` drops them from release checkpoints).
+- the biases of w, PP1 and PP2 add constants that the next instance norm removes; they are
+  kept (release layout and parameter count) and cancel exactly in float64.
 Feeding ``logsigmoid(z)`` to a softmax instead of multiplying by ``sigmoid(z)`` also keeps a
 sharp Φp (z around -60) exact where the release's L1 normalisation loses the row.
 """
@@ -118,7 +118,7 @@ def _row_chunks(height: int, width: int, hidden: int) -> List[slice]:
     return [slice(a, min(a + step, height)) for a in range(0, height, step)]
 
 
-def _chunk_forward(canvas, scale, shift, proj2, norm2_weight, norm2_bias, rows):
+def _chunk_forward(canvas, scale, shift, proj2, proj2_bias, norm2_weight, norm2_bias, rows):
     """Window rows ``rows``: (ReLU(IN1) activations, IN2-normalised maps, IN2 1/std, log Φp).
 
     PP2 is one GEMM, (9 * heads, hidden) @ (hidden, positions), then 9 shifted adds.
@@ -134,7 +134,7 @@ def _chunk_forward(canvas, scale, shift, proj2, norm2_weight, norm2_bias, rows):
     for offset in range(1, KERNEL_SIZE ** 2):
         u, v = divmod(offset, KERNEL_SIZE)
         maps += products[offset, :, :, u:u + height, v:v + width]
-    maps = maps.view(-1, queries, height * width)
+    maps = maps.view(-1, queries, height * width).add_(proj2_bias[:, None, None])
     centered = maps - maps.mean(-1, keepdim=True)
     inv_std = torch.rsqrt(centered.square().mean(-1, keepdim=True) + NORM_EPS)
     normed = centered.mul_(inv_std)
@@ -175,29 +175,31 @@ class _LogPeripheralAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, canvas, scale, shift, proj2, norm2_weight, norm2_bias):
+    def forward(ctx, canvas, scale, shift, proj2, proj2_bias, norm2_weight, norm2_bias):
         hidden_dim, height, width = scale.shape
         tokens = height * width
         chunks = _row_chunks(height, width, hidden_dim)
         mirrored = canvas.new_empty(norm2_weight.shape[0], tokens, tokens)  # queries by window start
         for rows in chunks:
-            activations = _chunk_forward(canvas, scale, shift, proj2, norm2_weight, norm2_bias, rows)
+            activations = _chunk_forward(canvas, scale, shift, proj2, proj2_bias, norm2_weight,
+                                         norm2_bias, rows)
             mirrored[:, rows.start * width:rows.stop * width] = activations[-1]
-        ctx.save_for_backward(canvas, scale, shift, proj2, norm2_weight, norm2_bias)
+        ctx.save_for_backward(canvas, scale, shift, proj2, proj2_bias, norm2_weight, norm2_bias)
         ctx.activations = activations if len(chunks) == 1 else None
         return mirrored.flip(1)  # window (a, b) is query (H-1-a, W-1-b): reverse the query axis
 
     @staticmethod
     def backward(ctx, grad):
-        canvas, scale, shift, proj2, norm2_weight, norm2_bias = ctx.saved_tensors
+        canvas, scale, shift, proj2, proj2_bias, norm2_weight, norm2_bias = ctx.saved_tensors
         hidden_dim, height, width = scale.shape
         grad_mirrored = grad.flip(1)
         grad_canvas, grad_scale, grad_shift, grad_proj2 = map(torch.zeros_like, (canvas, scale, shift, proj2))
-        grad_norm2_weight, grad_norm2_bias = map(torch.zeros_like, (norm2_weight, norm2_bias))
+        grad_proj2_bias, grad_norm2_weight, grad_norm2_bias = map(
+            torch.zeros_like, (proj2_bias, norm2_weight, norm2_bias))
         windows = _windows(canvas, height, width)
         for rows in _row_chunks(height, width, hidden_dim):
             hidden, normed, inv_std, log_phi = ctx.activations or _chunk_forward(
-                canvas, scale, shift, proj2, norm2_weight, norm2_bias, rows)
+                canvas, scale, shift, proj2, proj2_bias, norm2_weight, norm2_bias, rows)
             queries = hidden.shape[1] * width
             grad_logits = grad_mirrored[:, rows.start * width:rows.stop * width] * torch.expm1(log_phi).neg_()
             grad_norm2_weight += (grad_logits * normed).sum((1, 2))
@@ -205,6 +207,7 @@ class _LogPeripheralAttention(torch.autograd.Function):
             grad_normed = grad_logits.mul_(norm2_weight[:, None, None])
             grad_maps = (grad_normed - grad_normed.mean(-1, keepdim=True)
                          - normed * (grad_normed * normed).mean(-1, keepdim=True)).mul_(inv_std)
+            grad_proj2_bias += grad_maps.sum((1, 2))
             grad_products = _flipped_products_grad(grad_maps.view(-1, queries, height, width))
             flat_hidden = hidden.view(hidden_dim, -1)
             grad_proj2 += _flip_offsets(grad_products @ flat_hidden.t())
@@ -221,43 +224,52 @@ class _LogPeripheralAttention(torch.autograd.Function):
                 grad_canvas[:, covered] += torch.autograd.grad(
                     _windows(part, height, width), part, grad_windows)[0]
         ctx.activations = None
-        return grad_canvas, grad_scale, grad_shift, grad_proj2, grad_norm2_weight, grad_norm2_bias
+        return (grad_canvas, grad_scale, grad_shift, grad_proj2, grad_proj2_bias, grad_norm2_weight,
+                grad_norm2_bias)
 
 
 def peripheral_log_attention(height: int, width: int, distance_weight: torch.Tensor,
-                             proj1_weight: torch.Tensor, norm1_weight: torch.Tensor,
+                             distance_bias: torch.Tensor, proj1_weight: torch.Tensor,
+                             proj1_bias: torch.Tensor, norm1_weight: torch.Tensor,
                              norm1_bias: torch.Tensor, proj2_weight: torch.Tensor,
-                             norm2_weight: torch.Tensor, norm2_bias: torch.Tensor) -> torch.Tensor:
+                             proj2_bias: torch.Tensor, norm2_weight: torch.Tensor,
+                             norm2_bias: torch.Tensor) -> torch.Tensor:
     """log Φp for an H x W grid: (heads, H*W, H*W), indexed [head, query, key].
 
     PP1 runs once on the offset canvas, and IN1's window statistics come from the grid's cached
     moments (:func:`_grid_moments`), all in float64: Φp is ill-conditioned, and one-pass fp32
-    statistics lose it.
+    statistics lose it. The canvas is centred per channel before it is cast, which IN1 cannot
+    see but keeps the fp32 windows free of any large offset (the release's biases included).
     """
     dtype = proj1_weight.dtype
     shifted, means, covariances = _grid_moments(height, width, proj1_weight.device)
-    kernel = torch.einsum('orhw,r->ohw', proj1_weight.double(), distance_weight.double()).flatten(1)
-    canvas = torch.einsum('os,sxy->oxy', kernel, shifted)  # PP1 output: (hidden, 2H+1, 2W+1)
-    mean = torch.einsum('os,shw->ohw', kernel, means)  # (hidden, H, W) by window start
+    proj1 = proj1_weight.double()
+    kernel = torch.einsum('orhw,r->ohw', proj1, distance_weight.double()[:, 0]).flatten(1)
+    offset = torch.einsum('orhw,r->o', proj1, distance_bias.double()) + proj1_bias.double()
+    canvas = torch.einsum('os,sxy->oxy', kernel, shifted) + offset[:, None, None]  # PP1: (hidden, 2H+1, 2W+1)
+    centre = canvas.mean((1, 2), keepdim=True)
+    mean = torch.einsum('os,shw->ohw', kernel, means) + offset[:, None, None]  # (hidden, H, W) by window start
     var = torch.einsum('os,sthw,ot->ohw', kernel, covariances, kernel)
     scale = norm1_weight.double()[:, None, None] * torch.rsqrt(var + NORM_EPS)
-    shift = norm1_bias.double()[:, None, None] - scale * mean
+    shift = norm1_bias.double()[:, None, None] - scale * (mean - centre)
     proj2 = proj2_weight.permute(2, 3, 0, 1).reshape(-1, proj2_weight.shape[1])  # (9 * heads, hidden)
-    return _LogPeripheralAttention.apply(canvas.to(dtype), scale.to(dtype), shift.to(dtype), proj2,
-                                         norm2_weight, norm2_bias)
+    return _LogPeripheralAttention.apply((canvas - centre).to(dtype), scale.to(dtype), shift.to(dtype),
+                                         proj2, proj2_bias, norm2_weight, norm2_bias)
 
 
 class DistanceEmbedding(nn.Module):
-    """Multi-scale distance embedding R[q, k, r] = w_r * ||c_k - c_q|| (PerViT Eq. 6, 'Euc').
+    """Multi-scale distance embedding R[q, k, r] = w_r * ||c_k - c_q|| + b_r (PerViT Eq. 6, 'Euc').
 
-    The release uses one ``nn.Linear(1, 4 * heads)`` for the whole model; its bias is a constant
-    that the first instance norm removes, so only the weight w (num_scales,) is kept.
-    Initialised to w_r = -0.02 (release).
+    The release's ``nn.Linear(1, 4 * heads)``, one for the whole model, with the same parameter
+    shapes: weight (num_scales, 1) initialised to -0.02, bias (num_scales,) to 0. The bias adds a
+    constant that the first instance norm removes; it is kept so release checkpoints load as
+    they are and parameter counts match the paper.
     """
 
     def __init__(self, num_scales: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.full((num_scales,), -0.02))
+        self.weight = nn.Parameter(torch.full((num_scales, 1), -0.02))
+        self.bias = nn.Parameter(torch.zeros(num_scales))
 
 
 @register_phi('peripheral')
@@ -288,25 +300,30 @@ class PeripheralPhi(PositionalModule):
         if distance_embedding is None:
             self.distance_embedding = DistanceEmbedding(channels)
         else:
-            if distance_embedding.weight.shape != (channels,):
+            if distance_embedding.weight.shape != (channels, 1):
                 raise ValueError(f'a shared distance embedding for {num_heads} heads needs '
-                                 f'{channels} scales, got {tuple(distance_embedding.weight.shape)}')
+                                 f'{channels} scales, got {distance_embedding.weight.shape[0]}')
             object.__setattr__(self, 'distance_embedding', distance_embedding)  # not registered here
         self.num_heads = num_heads
         size, strength = peripheral_init(layer_index, num_layers)
         k = KERNEL_SIZE
+        # PP1 / PP2 biases add constants the next instance norm removes: kept, like the
+        # distance embedding's, so the layout is the release's (see DistanceEmbedding).
         self.proj1_weight = nn.Parameter(torch.full((channels, channels, k, k), 0.02))
+        self.proj1_bias = nn.Parameter(torch.zeros(channels))
         self.norm1_weight = nn.Parameter(torch.ones(channels))
         self.norm1_bias = nn.Parameter(torch.zeros(channels))
         self.proj2_weight = nn.Parameter(torch.full((num_heads, channels, k, k), 0.02))
+        self.proj2_bias = nn.Parameter(torch.zeros(num_heads))
         self.norm2_weight = nn.Parameter(torch.full((num_heads,), strength))  # v_l: strength
         self.norm2_bias = nn.Parameter(torch.full((num_heads,), size))  # s_l: size
         self._cache: Dict[tuple, torch.Tensor] = {}
         self.register_load_state_dict_post_hook(lambda module, keys: module._cache.clear())
 
     def _weights(self) -> Tuple[torch.Tensor, ...]:
-        return (self.distance_embedding.weight, self.proj1_weight, self.norm1_weight,
-                self.norm1_bias, self.proj2_weight, self.norm2_weight, self.norm2_bias)
+        return (self.distance_embedding.weight, self.distance_embedding.bias, self.proj1_weight,
+                self.proj1_bias, self.norm1_weight, self.norm1_bias, self.proj2_weight,
+                self.proj2_bias, self.norm2_weight, self.norm2_bias)
 
     def log_position_attention(self, height: int, width: int) -> torch.Tensor:
         """log Φp for an H x W grid: (heads, H*W, H*W) in the parameters' dtype, [head, query, key]."""
