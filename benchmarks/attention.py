@@ -140,6 +140,41 @@ def run(args) -> List[Dict[str, object]]:
                                         out_upstream),
              'biased_attention': fwd_bwd(lambda: biased_attention(*qkv, bias), out_upstream)},
             'report', None, args, memory=True))
+    rows.extend(plugin_rows(args))
+    return rows
+
+
+# iRPE as in the DeiT-iRPE-K models: contextual product method on k, one table shared by the heads.
+IRPE_K = dict(method='product', mode='ctx', on='k', shared_head=True, ratio=1.9, skip=1)
+
+
+def plugin_rows(args) -> List[Dict[str, object]]:
+    """The layer with PEG or iRPE-K against plain attention, fwd+bwd, with a class token."""
+    device, dtype = args.device, DTYPES[args.dtype]
+    batch, dim, heads = args.batch, args.dim, args.heads
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    rows = []
+    for size in args.grids:
+        grid = TokenGrid(size, size, 1)
+        layers = {'none': Attention(dim, heads, num_prefix_tokens=1),
+                  'peg': Attention(dim, heads, phi='peg', num_prefix_tokens=1),
+                  'irpe ctx-k': Attention(dim, heads, phi='irpe', phi_cfg=IRPE_K, num_prefix_tokens=1)}
+        layers = {name: layer.to(device) for name, layer in layers.items()}
+        x = torch.randn(batch, grid.num_tokens, dim, device=device, requires_grad=True)
+        upstream = torch.randn(batch, grid.num_tokens, dim, device=device)
+
+        def layer_step(phi):
+            def forward():
+                with autocast:
+                    return layers[phi](x, grid)
+            return fwd_bwd(forward, upstream)
+
+        for phi in ('peg', 'irpe ctx-k'):
+            limit = 1.35 if phi == 'irpe ctx-k' and size <= 14 else None
+            rows.append(compare(
+                'layer fwd+bwd, class token', size, {phi: layer_step(phi), 'none': layer_step('none')},
+                f'time <= {limit}x' if limit else 'report',
+                (lambda r, lt=limit: r['A/B time'] <= lt) if limit else None, args, memory=True))
     return rows
 
 

@@ -7,9 +7,10 @@ from . import functional
 from .attention import Attention
 from .grid import TokenGrid
 from .models import create_model, list_models, register_model
+from .models.swap import swap_attention
 from .phi import PositionalModule, build_phi, list_phis, register_phi
 
 __version__ = '0.1.0'
 
 __all__ = ['Attention', 'TokenGrid', 'PositionalModule', 'register_phi', 'build_phi', 'list_phis',
-           'create_model', 'list_models', 'register_model', 'functional', '__version__']
+           'create_model', 'list_models', 'register_model', 'swap_attention', 'functional', '__version__']

@@ -1,0 +1,280 @@
+"""DeiT-style Vision Transformers whose attention takes any Φp.
+
+Dosovitskiy et al. 2021 (ViT) with the DeiT layouts of Touvron et al. 2021: patch 16, depth 12,
+MLP ratio 4, pre-norm blocks, LayerNorm eps 1e-6; Tiny 192 channels / 3 heads, Small 384 / 6,
+Base 768 / 12. Parameter names follow timm's ``VisionTransformer`` (``patch_embed.proj``,
+``cls_token``, ``pos_embed``, ``blocks.i.attn.qkv``, ``norm``, ``head``), so a timm ViT / DeiT
+state_dict loads as it is; each layer's Φp adds its own ``blocks.i.attn.phi.*`` parameters.
+
+The rows of PerViT's Table 2 (DeiT-Tiny baseline, ImageNet-1k top-1) are one argument apart:
+
+    create_model('vit_tiny')                                           # DeiT-T        72.2
+    create_model('vit_tiny', pos_embed=False, peg_after=(0, 1, 2, 3, 4))  # + CPVT (0-5) 73.4
+    create_model('vit_tiny', phi='irpe', phi_cfg=IRPE_K)               # + iRPE-K      73.7
+    create_model('vit_tiny', phi='peripheral')                         # + PPE         74.4
+
+with ``IRPE_K = dict(method='product', mode='ctx', on='k', shared_head=True, ratio=1.9)``.
+``peg_after=(0,)`` is CPVT-Ti's single PEG at "position 0" (72.4, or 72.9 keeping the learned
+embedding). Any input size works: the learned position embedding is resized (bicubic) to the
+grid the input produces, and every Φp is evaluated on that grid.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from ..attention import Attention
+from ..grid import TokenGrid
+from ..phi import PositionalModule, build_layer_phi, build_phi
+from .registry import register_model
+
+__all__ = ['VisionTransformer', 'Block', 'Mlp', 'DropPath', 'PatchEmbed', 'resize_pos_embed',
+           'vit_tiny', 'vit_small', 'vit_base']
+
+
+class DropPath(nn.Module):
+    """Stochastic depth (Huang et al. 2016): drop a sample's residual branch with probability p."""
+
+    def __init__(self, drop_prob: float = 0.0):
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.drop_prob == 0.0 or not self.training:
+            return x
+        keep = 1.0 - self.drop_prob
+        mask = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep)
+        return x * mask / keep
+
+    def extra_repr(self) -> str:
+        return f'drop_prob={self.drop_prob}'
+
+
+class Mlp(nn.Module):
+    """fc2(drop(GELU(fc1(x)))), then dropout; fc2 maps to ``out_dim`` (default ``dim``)."""
+
+    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0, out_dim: Optional[int] = None):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden_dim)
+        self.act = nn.GELU()
+        self.drop1 = nn.Dropout(drop)
+        self.fc2 = nn.Linear(hidden_dim, out_dim or dim)
+        self.drop2 = nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm1(x)), then x + mlp(norm2(x)).
+
+    Args:
+        dim: token channels.
+        num_heads: attention heads.
+        phi: this layer's built Φp.
+        mlp_ratio: MLP hidden width over ``dim``.
+        qkv_bias: bias on the qkv projection.
+        drop: dropout after the attention projection and in the MLP.
+        attn_drop: dropout on the attention probabilities.
+        drop_path: stochastic depth rate of both residual branches.
+        num_prefix_tokens: extra tokens before the grid.
+    """
+
+    def __init__(self, dim: int, num_heads: int, phi: PositionalModule, mlp_ratio: float = 4.0,
+                 qkv_bias: bool = True, drop: float = 0.0, attn_drop: float = 0.0,
+                 drop_path: float = 0.0, num_prefix_tokens: int = 0):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Attention(dim, num_heads, phi=phi, qkv_bias=qkv_bias, attn_drop=attn_drop,
+                              proj_drop=drop, num_prefix_tokens=num_prefix_tokens)
+        self.drop_path1 = DropPath(drop_path)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
+        self.drop_path2 = DropPath(drop_path)
+
+    def forward(self, x: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
+        x = x + self.drop_path1(self.attn(self.norm1(x), grid))
+        return x + self.drop_path2(self.mlp(self.norm2(x)))
+
+
+class PatchEmbed(nn.Module):
+    """Non-overlapping patches: a stride-``patch_size`` convolution, (B, C, H, W) -> tokens and grid.
+
+    Inputs whose sides are not multiples of the patch size are rejected rather than cropped.
+    """
+
+    def __init__(self, patch_size: int, in_chans: int, embed_dim: int):
+        super().__init__()
+        self.patch_size = patch_size
+        self.proj = nn.Conv2d(in_chans, embed_dim, patch_size, patch_size)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, int]]:
+        height, width = x.shape[-2:]
+        if height % self.patch_size or width % self.patch_size:
+            raise ValueError(f'input of {height}x{width} pixels does not split into {self.patch_size}-pixel '
+                             f'patches; resize or pad it to a multiple of {self.patch_size}')
+        x = self.proj(x)
+        return rearrange(x, 'b c h w -> b (h w) c'), (x.shape[-2], x.shape[-1])
+
+
+def resize_pos_embed(pos_embed: torch.Tensor, old_hw: Tuple[int, int], new_hw: Tuple[int, int],
+                     num_prefix_tokens: int) -> torch.Tensor:
+    """Bicubic resize of a (1, prefix + H*W, C) learned embedding to a new grid.
+
+    DeiT's recipe (bicubic, align_corners=False) with antialiasing, as timm does, so that
+    shrinking the grid averages rather than skips rows. The prefix tokens' embeddings are kept.
+    """
+    if tuple(old_hw) == tuple(new_hw):
+        return pos_embed
+    prefix, grid = pos_embed.split([num_prefix_tokens, pos_embed.shape[1] - num_prefix_tokens], dim=1)
+    grid = rearrange(grid, 'b (h w) c -> b c h w', h=old_hw[0], w=old_hw[1])
+    grid = F.interpolate(grid, size=tuple(new_hw), mode='bicubic', align_corners=False, antialias=True)
+    return torch.cat([prefix, rearrange(grid, 'b c h w -> b (h w) c')], dim=1)
+
+
+def _init_linear_layers(module: nn.Module) -> None:
+    """timm's ViT init (truncated normal 0.02, zero bias) for every Linear outside a Φp, whose
+    own initialisation (zero iRPE tables, PerViT's per-layer norms) is part of its definition."""
+    for child in module.children():
+        if isinstance(child, PositionalModule):
+            continue
+        if isinstance(child, nn.Linear):
+            nn.init.trunc_normal_(child.weight, std=0.02)
+            if child.bias is not None:
+                nn.init.zeros_(child.bias)
+        else:
+            _init_linear_layers(child)
+
+
+class VisionTransformer(nn.Module):
+    """ViT / DeiT with a pluggable Φp in every attention layer.
+
+    Args:
+        img_size: training resolution; sets the size of the learned position embedding
+            (other input sizes resize it).
+        patch_size: patch side in pixels.
+        in_chans: input channels.
+        num_classes: classifier outputs; 0 for no head (features).
+        embed_dim: token channels.
+        depth: number of blocks.
+        num_heads: attention heads.
+        mlp_ratio: MLP hidden width over ``embed_dim``.
+        qkv_bias: bias on the qkv projections.
+        class_token: prepend a learned class token (the only prefix token).
+        global_pool: 'token' (classify the class token, DeiT) or 'avg' (mean of the grid tokens,
+            CPVT's GAP head).
+        pos_embed: learned absolute position embedding added after the patch embedding.
+        peg_after: indices of the blocks after which a PEG (CPVT) runs on the tokens.
+        phi: the Φp of every attention layer, by registered name (``posattn.list_phis()``).
+        phi_cfg: its options; ``dim``, ``num_heads``, ``head_dim``, ``layer_index``,
+            ``num_layers`` and ``skip`` (= prefix tokens) are filled in per layer where the Φp
+            takes them and ``phi_cfg`` does not set them.
+        drop_rate: dropout after the position embedding, attention projections and MLPs.
+        attn_drop_rate: dropout on attention probabilities.
+        drop_path_rate: stochastic depth, rising linearly to this rate over the blocks.
+    """
+
+    def __init__(self, img_size: int = 224, patch_size: int = 16, in_chans: int = 3,
+                 num_classes: int = 1000, embed_dim: int = 192, depth: int = 12, num_heads: int = 3,
+                 mlp_ratio: float = 4.0, qkv_bias: bool = True, class_token: bool = True,
+                 global_pool: str = 'token', pos_embed: bool = True, peg_after: Sequence[int] = (),
+                 phi: str = 'none', phi_cfg: Optional[Mapping[str, Any]] = None,
+                 drop_rate: float = 0.0, attn_drop_rate: float = 0.0, drop_path_rate: float = 0.0):
+        super().__init__()
+        if global_pool not in ('token', 'avg'):
+            raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
+        if global_pool == 'token' and not class_token:
+            raise ValueError("global_pool='token' classifies the class token: pass class_token=True "
+                             "or global_pool='avg'")
+        peg_after = tuple(sorted(set(peg_after)))
+        if any(not 0 <= i < depth for i in peg_after):
+            raise ValueError(f'peg_after {peg_after} names blocks outside 0..{depth - 1}')
+        if embed_dim % num_heads:
+            raise ValueError(f'embed_dim {embed_dim} is not divisible by num_heads {num_heads}')
+        self.num_classes = num_classes
+        self.global_pool = global_pool
+        self.num_prefix_tokens = int(class_token)
+        self.embed_dim = embed_dim
+        self.patch_embed = PatchEmbed(patch_size, in_chans, embed_dim)
+        self.grid_size = (img_size // patch_size, img_size // patch_size)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
+        num_tokens = self.num_prefix_tokens + self.grid_size[0] * self.grid_size[1]
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, embed_dim)) if pos_embed else None
+        self.pos_drop = nn.Dropout(drop_rate)
+        drop_paths = torch.linspace(0, drop_path_rate, depth).tolist()
+        head_dim = embed_dim // num_heads
+        self.blocks = nn.ModuleList([
+            Block(embed_dim, num_heads,
+                  build_layer_phi(phi, phi_cfg, dim=embed_dim, num_heads=num_heads, head_dim=head_dim,
+                                  layer_index=i, num_layers=depth, skip=self.num_prefix_tokens),
+                  mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, drop_paths[i], self.num_prefix_tokens)
+            for i in range(depth)])
+        self.pegs = nn.ModuleDict({str(i): build_phi('peg', dim=embed_dim) for i in peg_after})
+        self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
+        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """timm's ViT initialisation; each Φp keeps its own."""
+        if self.pos_embed is not None:
+            nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        if self.cls_token is not None:
+            nn.init.normal_(self.cls_token, std=1e-6)
+        _init_linear_layers(self)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images (B, C, H, W) -> normalised tokens (B, prefix + h*w, embed_dim)."""
+        x, hw = self.patch_embed(x)
+        grid = TokenGrid(*hw, self.num_prefix_tokens)
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        if self.pos_embed is not None:
+            x = x + resize_pos_embed(self.pos_embed, self.grid_size, hw, self.num_prefix_tokens)
+        x = self.pos_drop(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, grid)
+            if str(i) in self.pegs:
+                x, grid = self.pegs[str(i)](x, grid)
+        return self.norm(x)
+
+    def forward_head(self, x: torch.Tensor) -> torch.Tensor:
+        x = x[:, 0] if self.global_pool == 'token' else x[:, self.num_prefix_tokens:].mean(dim=1)
+        return self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+# DeiT's sizes: (embed_dim, num_heads); all have depth 12, patch 16 and MLP ratio 4.
+LAYOUTS = {'vit_tiny': (192, 3), 'vit_small': (384, 6), 'vit_base': (768, 12)}
+
+
+def _create(name: str, **kwargs: Any) -> VisionTransformer:
+    for key in ('embed_dim', 'num_heads'):
+        if key in kwargs:
+            raise TypeError(f'{key} is fixed by the model name {name!r}; build VisionTransformer '
+                            f'directly to change it')
+    embed_dim, num_heads = LAYOUTS[name]
+    return VisionTransformer(embed_dim=embed_dim, num_heads=num_heads, **kwargs)
+
+
+@register_model('vit_tiny')
+def vit_tiny(**kwargs: Any) -> VisionTransformer:
+    """DeiT-Tiny layout: 192 channels, 3 heads (5.7M parameters with ``phi='none'``)."""
+    return _create('vit_tiny', **kwargs)
+
+
+@register_model('vit_small')
+def vit_small(**kwargs: Any) -> VisionTransformer:
+    """DeiT-Small layout: 384 channels, 6 heads (22M parameters)."""
+    return _create('vit_small', **kwargs)
+
+
+@register_model('vit_base')
+def vit_base(**kwargs: Any) -> VisionTransformer:
+    """DeiT-Base layout: 768 channels, 12 heads (86M parameters)."""
+    return _create('vit_base', **kwargs)

@@ -1,0 +1,275 @@
+"""``irpe``: image relative position encoding (Wu et al., ICCV 2021, "Rethinking and Improving
+Relative Position Encoding for Vision Transformer"), as the authors' release computes it.
+
+Tokens are ``skip`` extra tokens, then an H x W grid in row-major order. A grid pair (i, j) with
+offset (dr, dc) = p_i - p_j (query minus key) falls in a bucket id(i, j) (Sec. 3.2-3.3):
+
+    g(x) = x                                                          |x| <= alpha
+    g(x) = sign(x) min(round(alpha + ln(|x| / alpha) / ln(gamma / alpha) (beta - alpha)), beta)
+    truncated to an integer; alpha = ratio, beta = 2 ratio, gamma = 8 ratio, b = int(beta)
+
+    euc      g(round(sqrt(dr^2 + dc^2))) + b          2b + 1 buckets
+    quant    g(dr^2 + dc^2) + b                       2b + 1 buckets
+    cross    rows g(dr) + b and columns g(dc) + b     two tables of 2b + 1, terms summed
+    product  (g(dr) + b)(2b + 1) + g(dc) + b          (2b + 1)^2 buckets
+
+and every pair involving an extra token shares one more bucket. With q_s = q / sqrt(d) and
+k_s = k / sqrt(d), each table T (shared by the heads or one per head) adds (Eq. 11-13)
+
+    bias mode, on k:   b[h, i, j] += T_k[h, id(i, j)]
+    bias mode, on q:   b[h, i, j] += T_q[h, id(j, i)]
+    ctx mode,  on k:   b[b, h, i, j] += q_s[b, h, i] . T_k[h, :, id(i, j)]
+    ctx mode,  on q:   b[b, h, i, j] += k_s[b, h, j] . T_q[h, :, id(j, i)]
+    ctx mode,  on v:   out[b, h, i] += sum_j A[b, h, i, j] T_v[h, id(i, j), :]
+
+to softmax(q_s k^T + b) V, A being the attention probabilities. The contextual terms never build
+an (L, L, d) tensor: q_s @ T_k gives (B, heads, L, buckets), gathered by the (L, L) id table; on
+v, A is summed into (B, heads, L, buckets) by bucket and multiplied by T_v.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import List, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..grid import GridLike, TokenGrid
+from .base import PositionalModule
+from .registry import register_phi
+
+__all__ = ['IRPE', 'bucket_ids', 'num_buckets', 'piecewise_index']
+
+METHODS = ('euc', 'quant', 'cross', 'product')
+MODES = ('bias', 'ctx')
+ON = ('q', 'k', 'v', 'qk', 'kv', 'qkv')
+_CROSS_AXES = ('rp_rows', 'rp_cols')  # the release's names of cross's two tables
+
+
+def piecewise_index(offsets: torch.Tensor, ratio: float) -> torch.Tensor:
+    """g(x) of iRPE Eq. 18 with alpha = ratio, beta = 2 ratio, gamma = 8 ratio, as int64.
+
+    Offsets within alpha stay exact; farther ones are compressed logarithmically up to beta,
+    then truncated toward zero (the range is [-int(beta), int(beta)]).
+    """
+    alpha, beta, gamma = ratio, 2.0 * ratio, 8.0 * ratio
+    x = offsets.to(torch.float64)
+    far = x.abs() > alpha
+    compressed = alpha + torch.log(x.abs().clamp(min=alpha) / alpha) / math.log(gamma / alpha) * (beta - alpha)
+    far_values = torch.sign(x) * compressed.round().clamp(max=beta)
+    return torch.where(far, far_values, x).long()  # .long() truncates toward zero
+
+
+def _axis_buckets(ratio: float) -> int:
+    return 2 * int(2.0 * ratio) + 1
+
+
+def num_buckets(method: str, ratio: float, skip: int) -> int:
+    """Buckets of one table: 2b + 1 ((2b + 1)^2 for product), plus one shared by the extra tokens."""
+    per_axis = _axis_buckets(ratio)
+    return (per_axis ** 2 if method == 'product' else per_axis) + (1 if skip > 0 else 0)
+
+
+@functools.lru_cache(maxsize=32)
+def bucket_ids(height: int, width: int, skip: int, method: str, ratio: float,
+               device: torch.device = torch.device('cpu')) -> torch.Tensor:
+    """Bucket ids (tables, L, L), L = skip + H * W, indexed [table, query, key]; cached.
+
+    One table for euc, quant and product, two (rows, columns) for cross. Pairs involving an extra
+    token get the last bucket. A pure function of its arguments, which are the cache key.
+    """
+    # g is evaluated once per distinct offset, on the (2H-1, 2W-1) offset canvas, then read per pair.
+    dr, dc = torch.meshgrid(torch.arange(1 - height, height), torch.arange(1 - width, width), indexing='ij')
+    b = int(2.0 * ratio)
+    if method == 'euc':
+        per_offset = [piecewise_index(torch.sqrt((dr ** 2 + dc ** 2).double()).round(), ratio) + b]
+    elif method == 'quant':
+        per_offset = [piecewise_index(dr ** 2 + dc ** 2, ratio) + b]
+    elif method == 'cross':
+        per_offset = [piecewise_index(dr, ratio) + b, piecewise_index(dc, ratio) + b]
+    elif method == 'product':
+        per_offset = [(piecewise_index(dr, ratio) + b) * (2 * b + 1) + piecewise_index(dc, ratio) + b]
+    else:
+        raise ValueError(f'unknown iRPE method {method!r}; choose one of {", ".join(METHODS)}')
+    rows, cols = torch.arange(height).repeat_interleave(width), torch.arange(width).repeat(height)
+    offset_rows = rows[:, None] - rows[None] + height - 1  # (HW, HW) query minus key, shifted to >= 0
+    offset_cols = cols[:, None] - cols[None] + width - 1
+    grid_ids = torch.stack(per_offset)[:, offset_rows, offset_cols]
+    tokens = skip + height * width
+    ids = torch.full((len(grid_ids), tokens, tokens), num_buckets(method, ratio, skip) - 1, dtype=torch.long)
+    ids[:, skip:, skip:] = grid_ids
+    return ids.to(device)
+
+
+class LookupTable(nn.Module):
+    """One learned table of iRPE, in the release's parameter layout, initialised to zero.
+
+    bias mode: ``lookup_table_bias`` (heads, buckets); ctx mode on q or k: ``lookup_table_weight``
+    (heads, head_dim, buckets); ctx mode on v: ``lookup_table_weight`` (heads, buckets, head_dim).
+    ``heads`` is 1 when the table is shared by the heads.
+    """
+
+    def __init__(self, shape: Tuple[int, ...], mode: str):
+        super().__init__()
+        self.param_name = 'lookup_table_bias' if mode == 'bias' else 'lookup_table_weight'
+        self.register_parameter(self.param_name, nn.Parameter(torch.zeros(shape)))
+
+    @property
+    def table(self) -> torch.Tensor:
+        return getattr(self, self.param_name)
+
+
+@register_phi('irpe')
+class IRPE(PositionalModule):
+    """iRPE on q, k and/or v of one attention layer; at init it contributes exactly zero.
+
+    Defaults are those of the published DeiT-iRPE-K models: contextual product method on k,
+    ratio 1.9, one table shared by the heads, with ``skip=1`` for the class token.
+
+    Args:
+        num_heads: attention heads.
+        head_dim: channels per head (the width of the contextual tables).
+        method: 'euc', 'quant', 'cross' or 'product' (bucketing of the 2D offset).
+        mode: 'bias' (a learned scalar per bucket) or 'ctx' (contextual: a learned vector per
+            bucket, dotted with the query, key, or summed into the output).
+        on: which of q, k, v get a table: 'q', 'k', 'v', 'qk', 'kv' or 'qkv'; v needs ctx mode.
+        shared_head: one table for all heads (True) or one per head.
+        ratio: alpha of the piecewise index; ratio 1.9 gives 7 buckets per axis.
+        skip: extra tokens before the grid; must equal the attention layer's prefix tokens.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, method: str = 'product', mode: str = 'ctx',
+                 on: str = 'k', shared_head: bool = True, ratio: float = 1.9, skip: int = 0):
+        super().__init__()
+        if method not in METHODS:
+            raise ValueError(f'unknown iRPE method {method!r}; choose one of {", ".join(METHODS)}')
+        if mode not in MODES:
+            raise ValueError(f'unknown iRPE mode {mode!r}; choose one of {", ".join(MODES)}')
+        if on not in ON:
+            raise ValueError(f'unknown iRPE on={on!r}; choose one of {", ".join(ON)}')
+        if mode == 'bias' and 'v' in on:
+            raise ValueError(f"iRPE has no bias mode on v (on={on!r}): use mode='ctx', "
+                             f"or on={on.replace('v', '') or 'k'!r}")
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 0:
+            raise ValueError(f'iRPE ratio must be a number > 0, got {ratio!r}')
+        if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+            raise ValueError(f'iRPE skip (extra tokens before the grid) must be an int >= 0, got {skip!r}')
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.method, self.mode, self.on = method, mode, on
+        self.shared_head, self.ratio, self.skip = shared_head, float(ratio), skip
+        self.num_buckets = num_buckets(method, self.ratio, skip)
+        self.uses_attention_probs = 'v' in on
+        for target in on:
+            if method == 'cross':
+                tables = nn.ModuleDict({axis: LookupTable(self.table_shape(target), mode) for axis in _CROSS_AXES})
+            else:
+                tables = LookupTable(self.table_shape(target), mode)
+            self.add_module(f'rpe_{target}', tables)
+
+    def table_shape(self, target: str) -> Tuple[int, ...]:
+        """The release's shape of a table on ``target`` ('q', 'k' or 'v')."""
+        heads = 1 if self.shared_head else self.num_heads
+        if self.mode == 'bias':
+            return (heads, self.num_buckets)
+        if target == 'v':
+            return (heads, self.num_buckets, self.head_dim)
+        return (heads, self.head_dim, self.num_buckets)
+
+    def _tables(self, target: str) -> List[torch.Tensor]:
+        if target not in self.on:
+            raise ValueError(f'this iRPE has tables on {self.on!r}, not on {target!r}')
+        tables = getattr(self, f'rpe_{target}')
+        if isinstance(tables, nn.ModuleDict):
+            return [tables[axis].table for axis in _CROSS_AXES]
+        return [tables.table]
+
+    def _grid(self, hw: GridLike) -> TokenGrid:
+        if isinstance(hw, TokenGrid):
+            if hw.num_prefix_tokens != self.skip:
+                raise ValueError(f'iRPE built with skip={self.skip} got a {hw}: build it with '
+                                 f'skip={hw.num_prefix_tokens}, the number of extra tokens')
+            return hw
+        return TokenGrid.of(hw, self.skip)
+
+    def term(self, on: str, x: torch.Tensor, hw: GridLike) -> torch.Tensor:
+        """The iRPE term on one of q, k, v (module docstring).
+
+        Args:
+            on: 'k' with x = scaled queries (B, heads, L, d) -> logits bias (B or 1, heads, L, L);
+                'q' with x = scaled keys -> logits bias, indexed [b, h, query, key];
+                'v' with x = attention probabilities (B, heads, L, L) -> (B, heads, L, d),
+                added to the attention output.
+            x: see ``on``.
+            hw: (H, W) of the grid (``skip`` extra tokens come first), or a TokenGrid.
+        """
+        tables = self._tables(on)
+        grid = self._grid(hw)
+        if x.dim() != 4 or x.shape[1] != self.num_heads:
+            raise ValueError(f'iRPE term on {on!r} expects (B, {self.num_heads} heads, L, ...), '
+                             f'got shape {tuple(x.shape)}')
+        grid.check_num_tokens(x.shape[-2])
+        if on == 'v':
+            grid.check_num_tokens(x.shape[-1])
+        elif self.mode == 'ctx' and x.shape[-1] != self.head_dim:
+            raise ValueError(f'iRPE term on {on!r} expects head_dim {self.head_dim}, got shape {tuple(x.shape)}')
+        ids = bucket_ids(grid.height, grid.width, self.skip, self.method, self.ratio, x.device)
+        terms = [self._table_term(on, x, table.to(x.dtype), table_ids) for table, table_ids in zip(tables, ids)]
+        return terms[0] if len(terms) == 1 else terms[0] + terms[1]
+
+    def _table_term(self, on: str, x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """One table's term; ids (L, L) indexed [query, key]."""
+        if self.mode == 'bias':  # T_q is read at the mirrored offset id(j, i)
+            return table[:, ids.t() if on == 'q' else ids].unsqueeze(0)  # (1, heads or 1, L, L)
+        batch, heads, tokens, _ = x.shape
+        if on == 'v':
+            per_bucket = x.new_zeros(batch, heads, tokens, self.num_buckets)
+            per_bucket = per_bucket.scatter_add(-1, ids.expand(batch, heads, tokens, tokens), x)
+            return per_bucket @ table  # (B, heads, L, buckets) @ (heads or 1, buckets, d)
+        lookup = x @ table  # (B, heads, L, d) @ (heads or 1, d, buckets) -> (B, heads, L, buckets)
+        # [b, h, r, c] = x_r . T[id(r, c)]: query-major on k; on q, r is the key j and c the query i
+        gathered = lookup.gather(-1, ids.expand(batch, heads, tokens, tokens))
+        return gathered.transpose(-2, -1) if on == 'q' else gathered
+
+    def logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> Optional[torch.Tensor]:
+        scale = q.shape[-1] ** -0.5
+        bias = None
+        if 'k' in self.on:
+            bias = self.term('k', q * scale, grid)
+        if 'q' in self.on:
+            bias_q = self.term('q', k * scale, grid)
+            bias = bias_q if bias is None else bias + bias_q
+        return bias
+
+    def value_term(self, attn: torch.Tensor, grid: TokenGrid) -> Optional[torch.Tensor]:
+        return self.term('v', attn, grid) if 'v' in self.on else None
+
+    @torch.no_grad()
+    def load_release_tables(self, tables: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Copy the tables of the release's iRPE modules (``rpe_q``, ``rpe_k``, ``rpe_v``).
+
+        Args:
+            tables: {'q' | 'k' | 'v': {name: tensor}}, one entry per target in ``on``, each the
+                state_dict of the release module: ``lookup_table_weight`` (ctx) or
+                ``lookup_table_bias`` (bias); for cross, the same under ``rp_rows.`` and ``rp_cols.``.
+        """
+        if set(tables) != set(self.on):
+            raise ValueError(f'iRPE on {self.on!r} needs tables for {sorted(self.on)}, got {sorted(tables)}')
+        for target, named in tables.items():
+            module = getattr(self, f'rpe_{target}')
+            expected = {name: tuple(p.shape) for name, p in module.named_parameters()}
+            if set(named) != set(expected):
+                raise ValueError(f'iRPE tables on {target!r}: expected the names {sorted(expected)}, '
+                                 f'got {sorted(named)}')
+            for name, tensor in named.items():
+                if tuple(tensor.shape) != expected[name]:
+                    raise ValueError(
+                        f'iRPE table {target}.{name} has shape {tuple(tensor.shape)}; expected '
+                        f'{expected[name]} for method={self.method!r}, mode={self.mode!r}, ratio={self.ratio}, '
+                        f'skip={self.skip}, shared_head={self.shared_head} ({self.num_buckets} buckets)')
+            for name, param in module.named_parameters():
+                param.copy_(named[name])
+
+    def extra_repr(self) -> str:
+        return (f'method={self.method!r}, mode={self.mode!r}, on={self.on!r}, shared_head={self.shared_head}, '
+                f'ratio={self.ratio}, skip={self.skip}, num_buckets={self.num_buckets}')

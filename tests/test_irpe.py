@@ -1,0 +1,258 @@
+"""iRPE: the release fixture, float64 references for every method / mode / target, gradients, errors."""
+import math
+
+import pytest
+import torch
+from torch.func import functional_call
+
+import posattn
+from posattn import Attention, TokenGrid
+from posattn.phi.irpe import bucket_ids
+
+from conftest import load_fixture
+
+METHODS = ['euc', 'quant', 'cross', 'product']
+
+
+# --- float64 references, one pair at a time -------------------------------------------------
+
+def reference_index(x, ratio):
+    """g(x) of iRPE Eq. 18, in Python floats."""
+    alpha, beta, gamma = ratio, 2 * ratio, 8 * ratio
+    if abs(x) <= alpha:
+        return int(x)
+    compressed = round(alpha + math.log(abs(x) / alpha) / math.log(gamma / alpha) * (beta - alpha))
+    return int(math.copysign(min(compressed, beta), x))
+
+
+def reference_ids(height, width, skip, method, ratio):
+    """[table][query][key] bucket ids, pair by pair."""
+    b = int(2 * ratio)
+    per_axis = 2 * b + 1
+    extra = (per_axis ** 2 if method == 'product' else per_axis)
+    tables = 2 if method == 'cross' else 1
+    tokens = skip + height * width
+    ids = [[[extra] * tokens for _ in range(tokens)] for _ in range(tables)]
+    for i in range(height * width):
+        for j in range(height * width):
+            dr, dc = i // width - j // width, i % width - j % width
+            if method == 'euc':
+                values = [reference_index(round(math.sqrt(dr * dr + dc * dc)), ratio) + b]
+            elif method == 'quant':
+                values = [reference_index(dr * dr + dc * dc, ratio) + b]
+            elif method == 'cross':
+                values = [reference_index(dr, ratio) + b, reference_index(dc, ratio) + b]
+            else:
+                values = [(reference_index(dr, ratio) + b) * per_axis + reference_index(dc, ratio) + b]
+            for t, value in enumerate(values):
+                ids[t][skip + i][skip + j] = value
+    return torch.tensor(ids)
+
+
+def reference_attention(x, layer, tables, ids, mode, on):
+    """softmax(q_s k^T + iRPE bias) V + iRPE value term, then proj, with (L, L, d) tensors.
+
+    tables: {target: [tensor per cross axis]} in the release layout (heads or 1 leading)."""
+    batch, tokens, dim = x.shape
+    heads = layer.num_heads
+    d = dim // heads
+    q, k, v = (x @ layer.qkv.weight.T + layer.qkv.bias).reshape(batch, tokens, 3, heads, d).permute(2, 0, 3, 1, 4)
+    q_s, k_s = q / math.sqrt(d), k / math.sqrt(d)
+    logits = q_s @ k.transpose(-1, -2)
+    value_term = 0
+    for target in on:
+        for table, table_ids in zip(tables[target], ids):
+            table = table.expand(heads, *table.shape[1:])
+            if mode == 'bias':
+                per_pair = table[:, table_ids]  # (heads, L, L) [h, i, j] = T[h, id(i, j)]
+                logits = logits + (per_pair if target == 'k' else per_pair.transpose(-1, -2))
+            elif target == 'k':
+                per_pair = table[:, :, table_ids]  # (heads, d, L, L)
+                logits = logits + torch.einsum('bhid,hdij->bhij', q_s, per_pair)
+            elif target == 'q':
+                per_pair = table[:, :, table_ids]  # [h, :, j, i] = T[h, :, id(j, i)]
+                logits = logits + torch.einsum('bhjd,hdji->bhij', k_s, per_pair)
+    attn = logits.softmax(-1)
+    for table, table_ids in zip(tables.get('v', []), ids):
+        per_pair = table.expand(heads, *table.shape[1:])[:, table_ids]  # (heads, L, L, d)
+        value_term = value_term + torch.einsum('bhij,hijd->bhid', attn, per_pair)
+    out = (attn @ v + value_term).transpose(1, 2).reshape(batch, tokens, dim)
+    return out @ layer.proj.weight.T + layer.proj.bias
+
+
+def random_tables(phi, generator):
+    """Random release-named tables of the right shapes for every target of ``phi``."""
+    return {target: {name: torch.randn(p.shape, generator=generator, dtype=torch.float64)
+                     for name, p in getattr(phi, f'rpe_{target}').named_parameters()}
+            for target in phi.on}
+
+
+def as_lists(phi, tables):
+    names = (['rp_rows', 'rp_cols'] if phi.method == 'cross' else [None])
+    suffix = 'lookup_table_bias' if phi.mode == 'bias' else 'lookup_table_weight'
+    return {target: [named[f'{axis}.{suffix}' if axis else suffix] for axis in names]
+            for target, named in tables.items()}
+
+
+# --- the release ------------------------------------------------------------------------------
+
+def test_matches_release_fixture():
+    fixture = load_fixture('irpe_ctx_product_shared_k_14x14_skip1.pt')
+    phi = posattn.build_phi('irpe', num_heads=3, head_dim=64, method='product', mode='ctx', on='k',
+                            shared_head=True, ratio=1.9, skip=1)
+    phi.load_release_tables({'k': {'lookup_table_weight': fixture['lookup_table_weight']}})
+    assert torch.equal(bucket_ids(14, 14, 1, 'product', 1.9)[0], fixture['bucket_ids'])
+    with torch.no_grad():
+        out = phi.term('k', fixture['q'], (14, 14))
+    torch.testing.assert_close(out, fixture['out'], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize('ratio,per_axis', [(1.9, 7), (2.0, 9), (2.5, 11), (3.0, 13)])
+def test_buckets_per_axis(ratio, per_axis):
+    cross = bucket_ids(25, 25, 0, 'cross', ratio)  # offsets up to 24 reach beta
+    assert cross[0].unique().numel() == per_axis and cross[1].unique().numel() == per_axis
+    product = posattn.build_phi('irpe', num_heads=1, head_dim=4, ratio=ratio, skip=1)
+    assert product.num_buckets == per_axis ** 2 + 1
+
+
+@pytest.mark.parametrize('method', METHODS)
+@pytest.mark.parametrize('ratio', [1.9, 2.5, 0.7])
+def test_bucket_ids_pair_by_pair(method, ratio):
+    """Non-square grids with extra tokens, offsets far enough to reach the logarithmic part."""
+    for height, width, skip in [(7, 11, 2), (1, 9, 0), (6, 1, 1)]:
+        expected = reference_ids(height, width, skip, method, ratio)
+        assert torch.equal(bucket_ids(height, width, skip, method, ratio), expected), (height, width, skip)
+
+
+def test_bucket_ids_are_cached_by_their_arguments():
+    first = bucket_ids(5, 6, 1, 'product', 1.9)
+    assert bucket_ids(5, 6, 1, 'product', 1.9) is first
+    assert bucket_ids(5, 6, 2, 'product', 1.9).shape == (1, 32, 32)
+    assert bucket_ids(6, 5, 1, 'product', 1.9) is not first
+
+
+# --- every method, mode and target against the float64 reference -----------------------------
+
+CASES = [(method, mode, on, shared) for method in METHODS for mode in ('bias', 'ctx')
+         for on in (('q', 'k', 'qk') if mode == 'bias' else ('q', 'k', 'v', 'qk', 'kv', 'qkv'))
+         for shared in (True, False)]
+
+
+@pytest.mark.parametrize('method,mode,on,shared', CASES)
+def test_layer_equals_reference(method, mode, on, shared):
+    height, width, skip = 3, 5, 2
+    layer = Attention(16, 2, phi='irpe', num_prefix_tokens=skip, phi_cfg=dict(
+        method=method, mode=mode, on=on, shared_head=shared, ratio=1.2, skip=skip)).double()
+    tables = random_tables(layer.phi, torch.Generator().manual_seed(len(on) + 7 * shared))
+    layer.phi.load_release_tables(tables)
+    x = torch.randn(2, skip + height * width, 16, dtype=torch.float64)
+    expected = reference_attention(x, layer, as_lists(layer.phi, tables),
+                                   reference_ids(height, width, skip, method, 1.2), mode, on)
+    torch.testing.assert_close(layer(x, (height, width)), expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize('mode,on', [('bias', 'q'), ('ctx', 'q'), ('ctx', 'v')])
+def test_term_orientation(mode, on):
+    """term('q') is [b, h, query, key]; term('v') is added to the output; both per the reference."""
+    phi = posattn.build_phi('irpe', num_heads=2, head_dim=4, method='product', mode=mode, on=on,
+                            shared_head=False, ratio=1.9, skip=1).double()
+    tables = random_tables(phi, torch.Generator().manual_seed(3))
+    phi.load_release_tables(tables)
+    (table,) = as_lists(phi, tables)[on]
+    ids = reference_ids(2, 3, 1, 'product', 1.9)[0]
+    if on == 'v':
+        attn = torch.rand(3, 2, 7, 7, dtype=torch.float64).softmax(-1)
+        expected = torch.einsum('bhij,hijd->bhid', attn, table[:, ids])
+        torch.testing.assert_close(phi.term('v', attn, (2, 3)), expected)
+        return
+    keys = torch.randn(3, 2, 7, 4, dtype=torch.float64)
+    if mode == 'bias':
+        expected = table[:, ids].transpose(-1, -2).expand(3, -1, -1, -1)
+    else:
+        expected = torch.stack([torch.stack([torch.stack([keys[b, h, j] @ table[h, :, ids[j, i]]
+                                                          for j in range(7)]) for i in range(7)])
+                                for b in range(3) for h in range(2)]).view(3, 2, 7, 7)
+    torch.testing.assert_close(phi.term('q', keys, TokenGrid(2, 3, 1)).expand(3, -1, -1, -1), expected)
+
+
+def test_zero_tables_are_the_plain_layer():
+    layer = Attention(16, 2, phi='irpe', phi_cfg=dict(on='qkv', shared_head=False, skip=1),
+                      num_prefix_tokens=1)
+    plain = Attention(16, 2, num_prefix_tokens=1)
+    plain.load_state_dict({k: v for k, v in layer.state_dict().items() if not k.startswith('phi.')})
+    x = torch.randn(2, 1 + 4 * 3, 16)
+    torch.testing.assert_close(layer(x, (4, 3)), plain(x, (4, 3)), rtol=0, atol=1e-6)
+    assert all(torch.count_nonzero(p) == 0 for p in layer.phi.parameters())
+
+
+def test_bias_mode_is_batch_free_and_any_grid_size():
+    phi = posattn.build_phi('irpe', num_heads=4, head_dim=8, method='euc', mode='bias', on='qk',
+                            shared_head=False, skip=1)
+    q = torch.randn(3, 4, 1 + 7 * 9, 8)
+    assert phi.logits_bias(q, q, TokenGrid(7, 9, 1)).shape == (1, 4, 64, 64)
+    q = torch.randn(3, 4, 1 + 14 * 14, 8)
+    assert phi.logits_bias(q, q, TokenGrid(14, 14, 1)).shape == (1, 4, 197, 197)
+    shared = posattn.build_phi('irpe', num_heads=4, head_dim=8, mode='bias', skip=1)
+    assert shared.logits_bias(q, q, TokenGrid(14, 14, 1)).shape == (1, 1, 197, 197)
+
+
+@pytest.mark.parametrize('method,mode,on', [('product', 'ctx', 'qkv'), ('cross', 'bias', 'qk'),
+                                            ('euc', 'ctx', 'kv')])
+def test_gradcheck(method, mode, on):
+    """Gradients of the input and of every parameter, tables included, on a 2 x 3 grid with a class token."""
+    layer = Attention(8, 2, phi='irpe', num_prefix_tokens=1, phi_cfg=dict(
+        method=method, mode=mode, on=on, shared_head=False, ratio=0.9, skip=1)).double()
+    layer.phi.load_release_tables(random_tables(layer.phi, torch.Generator().manual_seed(1)))
+    names = [n for n, _ in layer.named_parameters()]
+    params = tuple(p.detach().clone().requires_grad_() for _, p in layer.named_parameters())
+    x = torch.randn(2, 7, 8, dtype=torch.float64, requires_grad=True)
+
+    def run(x, *values):
+        return functional_call(layer, dict(zip(names, values)), (x, (2, 3)))
+    assert torch.autograd.gradcheck(run, (x, *params), fast_mode=True)
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('cfg,message', [
+    (dict(method='euclidean'), "unknown iRPE method 'euclidean'; choose one of euc, quant, cross, product"),
+    (dict(mode='contextual'), "unknown iRPE mode 'contextual'; choose one of bias, ctx"),
+    (dict(on='kq'), "unknown iRPE on='kq'; choose one of q, k, v, qk, kv, qkv"),
+    (dict(mode='bias', on='kv'), "iRPE has no bias mode on v \\(on='kv'\\): use mode='ctx', or on='k'"),
+    (dict(ratio=0), 'iRPE ratio must be a number > 0, got 0'),
+    (dict(ratio=-1.9), 'iRPE ratio must be a number > 0, got -1.9'),
+    (dict(skip=-1), 'iRPE skip .* must be an int >= 0, got -1'),
+])
+def test_bad_options(cfg, message):
+    with pytest.raises(ValueError, match=message):
+        posattn.build_phi('irpe', num_heads=2, head_dim=4, **cfg)
+
+
+def test_tables_of_the_wrong_shape_name_the_expected_one():
+    phi = posattn.build_phi('irpe', num_heads=3, head_dim=64, skip=1)
+    with pytest.raises(ValueError, match=r'iRPE table k.lookup_table_weight has shape \(1, 64, 49\); '
+                                         r'expected \(1, 64, 50\) for .*skip=1.*\(50 buckets\)'):
+        phi.load_release_tables({'k': {'lookup_table_weight': torch.zeros(1, 64, 49)}})
+    with pytest.raises(ValueError, match=r"iRPE on 'k' needs tables for \['k'\], got \['q'\]"):
+        phi.load_release_tables({'q': {'lookup_table_weight': torch.zeros(1, 64, 50)}})
+    cross = posattn.build_phi('irpe', num_heads=3, head_dim=64, method='cross', mode='bias')
+    with pytest.raises(ValueError, match=r"expected the names \['rp_cols.lookup_table_bias', "
+                                         r"'rp_rows.lookup_table_bias'\], got \['lookup_table_bias'\]"):
+        cross.load_release_tables({'k': {'lookup_table_bias': torch.zeros(1, 9)}})
+    with pytest.raises(ValueError, match=r'rp_rows.lookup_table_bias has shape \(3, 9\); expected \(1, 7\)'):
+        cross.load_release_tables({'k': {'rp_rows.lookup_table_bias': torch.zeros(3, 9),
+                                         'rp_cols.lookup_table_bias': torch.zeros(1, 7)}})
+
+
+def test_extra_tokens_must_agree_with_skip():
+    layer = Attention(16, 2, phi='irpe', phi_cfg=dict(skip=0), num_prefix_tokens=1)
+    with pytest.raises(ValueError, match='iRPE built with skip=0 got a 3x4 grid with 1 extra token: '
+                                         'build it with skip=1'):
+        layer(torch.randn(2, 13, 16), (3, 4))
+    phi = posattn.build_phi('irpe', num_heads=2, head_dim=8, skip=1)
+    with pytest.raises(ValueError, match='got 12 tokens for a 3x4 grid with 1 extra token; expected 13'):
+        phi.term('k', torch.randn(2, 2, 12, 8), (3, 4))
+    with pytest.raises(ValueError, match="this iRPE has tables on 'k', not on 'v'"):
+        phi.term('v', torch.randn(2, 2, 13, 13), (3, 4))
+    with pytest.raises(ValueError, match=r"expects \(B, 2 heads, L, ...\), got shape \(2, 3, 13, 8\)"):
+        phi.term('k', torch.randn(2, 3, 13, 8), (3, 4))

@@ -1,0 +1,126 @@
+"""swap_attention: timm / torchvision ViTs keep their outputs with 'none', their weights, and train."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import posattn
+from posattn.models.swap import swap_attention
+
+timm = pytest.importorskip('timm')
+
+
+def randomised(model):
+    """Eval model with every parameter random, the zero-initialised biases and heads included."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.05 + (param == 1) * 1.0)
+    return model.eval()
+
+
+def assert_swap_keeps_outputs(model, x):
+    swapped = swap_attention(copy.deepcopy(model), phi='none')
+    with torch.no_grad():
+        expected = model(x)
+        assert expected.abs().max() > 1e-2
+        torch.testing.assert_close(swapped(x), expected, rtol=0, atol=1e-5)
+    return swapped
+
+
+@pytest.mark.parametrize('name', ['vit_tiny_patch16_224', 'deit_tiny_distilled_patch16_224'])
+def test_timm_none_equals_original(name):
+    model = randomised(timm.create_model(name, pretrained=False))
+    swapped = assert_swap_keeps_outputs(model, torch.randn(2, 3, 224, 224))
+    layers = [block.attn for block in swapped.blocks]
+    assert all(isinstance(layer, posattn.Attention) for layer in layers) and len(layers) == 12
+    assert layers[0].num_prefix_tokens == model.num_prefix_tokens  # 2 for the distilled DeiT
+    assert set(swapped.state_dict()) == set(model.state_dict())  # timm's names: weights still load
+
+
+@pytest.mark.slow
+def test_torchvision_none_equals_original():
+    """torchvision's ViT-B/16 (86M parameters, about 3 s)."""
+    torchvision = pytest.importorskip('torchvision')
+    model = randomised(torchvision.models.vit_b_16())
+    swapped = assert_swap_keeps_outputs(model, torch.randn(1, 3, 224, 224))
+    layer = swapped.encoder.layers[5].self_attention
+    assert isinstance(layer, posattn.Attention) and layer.num_heads == 12
+    original = model.encoder.layers[5].self_attention
+    assert torch.equal(layer.qkv.weight, original.in_proj_weight)
+    assert torch.equal(layer.proj.bias, original.out_proj.bias)
+
+
+def small_timm_vit(**kwargs):
+    return timm.create_model('vit_tiny_patch16_224', pretrained=False, img_size=32, patch_size=8,
+                             embed_dim=32, depth=2, num_heads=2, num_classes=5, **kwargs)
+
+
+def test_same_parameters_not_copies():
+    model = small_timm_vit()
+    qkv = model.blocks[1].attn.qkv.weight
+    swap_attention(model, phi='irpe', method='product', mode='ctx', on='k')
+    assert model.blocks[1].attn.qkv.weight is qkv
+    assert model.blocks[1].attn.phi.skip == 1 and model.blocks[1].attn.phi.num_heads == 2
+
+
+def test_grid_follows_the_input_and_matches_posattn_vit():
+    """A dynamic-size timm DeiT with peripheral attention is posattn's ViT with the same weights,
+    on non-square inputs of two sizes: the Φp saw the right grid each time."""
+    model = randomised(small_timm_vit(dynamic_img_size=True))
+    swapped = swap_attention(model, phi='peripheral')
+    reference = posattn.models.vit.VisionTransformer(
+        img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5, phi='peripheral').eval()
+    reference.load_state_dict(swapped.state_dict())
+    for size in [(24, 40), (48, 16)]:
+        x = torch.randn(2, 3, *size)
+        with torch.no_grad():
+            torch.testing.assert_close(swapped(x), reference(x), rtol=1e-5, atol=1e-5)
+        assert swapped.blocks[0].attn.grid_probe.grid == posattn.TokenGrid(size[0] // 8, size[1] // 8, 1)
+
+
+def test_a_copy_follows_its_own_inputs():
+    swapped = swap_attention(small_timm_vit(dynamic_img_size=True), phi='irpe').eval()
+    clone = copy.deepcopy(swapped)
+    with torch.no_grad():
+        clone(torch.randn(1, 3, 24, 40))
+    assert clone.blocks[1].attn.grid_probe.grid == posattn.TokenGrid(3, 5, 1)
+    assert swapped.blocks[1].attn.grid_probe.grid is None
+
+
+def test_fine_tuning_a_swapped_model_lowers_the_loss():
+    torch.manual_seed(0)
+    model = swap_attention(small_timm_vit(), phi='peripheral').train()
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 5, (8,))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(8):
+        loss = nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+    assert model.blocks[0].attn.phi.proj2_weight.grad.abs().sum() > 0
+
+
+def test_unsupported_models_name_what_was_found():
+    with pytest.raises(TypeError, match="supports timm's and torchvision's VisionTransformer; got "
+                                        "torch.nn.modules.container.Sequential"):
+        swap_attention(nn.Sequential(nn.Linear(2, 2)))
+    model = small_timm_vit()
+    model.blocks[1].attn = nn.Identity()
+    with pytest.raises(TypeError, match='block 1 of the timm model holds torch.nn.modules.linear.Identity'):
+        swap_attention(model)
+    with pytest.raises(TypeError, match=r"lacks: \{'q_norm': 'LayerNorm', 'k_norm': 'LayerNorm'\}"):
+        swap_attention(small_timm_vit(qk_norm=True))
+    model = small_timm_vit()
+    with pytest.raises(TypeError, match="Φp 'irpe' got unknown option\\(s\\) \\['methd'\\]"):
+        swap_attention(model, phi='irpe', methd='euc')
+    assert type(model.blocks[0].attn).__module__.startswith('timm') and not model.patch_embed.proj._forward_hooks
+    swapped = swap_attention(model, phi='none')
+    with pytest.raises(TypeError, match='block 0 of the timm model holds posattn.models.swap.TimmAttention'):
+        swap_attention(swapped)
+    with pytest.raises(RuntimeError, match='run the whole model, not the blocks alone'):
+        swapped.blocks(torch.randn(1, 17, 32))
