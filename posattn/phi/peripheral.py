@@ -36,8 +36,7 @@ from .registry import register_phi
 
 __all__ = ['PeripheralPhi', 'DistanceEmbedding', 'peripheral_init', 'peripheral_log_attention']
 
-KERNEL_SIZE = 3
-KEY_PADDING = 2 * (KERNEL_SIZE // 2)  # two valid 3x3 convs shrink the padded key grid back to H x W
+KERNEL_SIZE = 3  # PP1 and PP2; keys are padded by 2 so that both valid convolutions end on H x W
 NORM_EPS = 1e-5
 # Elements of the (queries, H+2, W+2, hidden) activations per chunk of queries.
 _CHUNK_ELEMENTS = 1 << 20
@@ -100,7 +99,8 @@ def _grid_moments(height: int, width: int, device: torch.device) -> Tuple[torch.
     PP1's output canvas is sum_s K1[o, s] * shifted_s, with shifted_s the distance canvas moved by
     the kernel offset s (9 of them). Its window statistics are then K1 . mean_s and
     K1^T cov_st K1, with the window means (9, H, W) and covariances (9, 9, H, W) of the shifted
-    maps: exact, never negative, and no per-step pass over the canvas.
+    maps: a Gram form (non-negative up to float64 rounding, which the norm's eps covers) and no
+    per-step pass over the canvas.
     """
     distances = distance_canvas(height, width)
     rows, cols = 2 * height + 1, 2 * width + 1
@@ -125,8 +125,9 @@ def _chunk_forward(canvas, scale, shift, proj2, proj2_bias, norm2_weight, norm2_
     """
     hidden_dim, height, width = scale.shape
     windows = _windows(canvas, height, width)[:, rows]  # (hidden, r, W, H+2, W+2)
-    hidden = torch.addcmul(shift[:, rows, :, None, None], windows, scale[:, rows, :, None, None],
-                           out=canvas.new_empty(windows.shape)).relu_()
+    # The result takes the overlapping windows' stride order; PP2's GEMM wants it dense.
+    hidden = torch.addcmul(shift[:, rows, :, None, None], windows,
+                           scale[:, rows, :, None, None]).relu_().contiguous()
     queries = hidden.shape[1] * width
     products = (proj2 @ hidden.view(hidden_dim, -1)).view(KERNEL_SIZE ** 2, -1, queries,
                                                             height + 2, width + 2)

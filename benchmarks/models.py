@@ -1,0 +1,224 @@
+"""Model-level speed and memory: PerViT-T against DeiT-T and against the release's MPA layer.
+
+    python benchmarks/models.py                       # fp32, CPU, batches 8 and 32, 224 x 224
+    python benchmarks/models.py --quick               # batch 8, few rounds: checks that it runs
+    python benchmarks/models.py --device cuda --dtype bf16 --batch 256
+
+Side by side in one run, timed round-robin (median of ``--repeat`` rounds):
+- training step (forward, cross-entropy, backward, AdamW step), images/s: PerViT-T, DeiT-T
+  (``create_model('vit_tiny', phi='none')``, the same width class), and PerViT-T with every
+  attention layer replaced by :class:`ReleaseMPA`, the release's MPA written the straightforward
+  way (Φp from the full distance tensor through conv / GroupNorm for every query, then
+  ``normalize(exp(S - max S) * Φp, p=1) V``);
+- inference (eval, no grad) of the same models: posattn caches Φp after the first call, the
+  release's layer recomputes it on every call, as the release does;
+- peak memory of each (CPU: allocator events; CUDA: the allocator's peak).
+Targets (issue 5): PerViT-T step <= 1.25x DeiT-T's, posattn >= 1.5x faster than the release's
+layer, inference <= 1.15x DeiT-T's. Then GMAC per image of PerViT-T/S/M and DeiT-T: as the paper
+counts them (no Φp, and no q k^T or A v products: that gives its 1.6 / 4.4 / 9.0), with the
+attention products but Φp cached, with Φp counted as posattn computes it, and as the release does.
+Prints two tables and saves ``benchmarks/results/models-<device>-<dtype>.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention import ReleasePhi  # noqa: E402
+from common import peak_memory_mb, print_table, save_json, time_interleaved  # noqa: E402
+
+import posattn  # noqa: E402
+from posattn.grid import TokenGrid  # noqa: E402
+
+DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16}
+STEM_STRIDE = 16
+
+
+def _sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+# FlopCounterMode knows the CUDA SDPA kernels; the CPU one costs the same.
+FLOP_MAPPING = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_flops}
+
+
+class ReleaseMPA(nn.Module):
+    """The release's Multi-head Peripheral Attention, as it computes it, for one fixed grid.
+
+    out = proj(normalize_L1(exp(S - rowmax S) * Φp) V), S = q k^T / sqrt(d), with Φp recomputed on
+    every call (:class:`ReleasePhi`). Built from a posattn layer so both start from the same weights.
+    """
+
+    def __init__(self, layer: posattn.Attention, height: int, width: int):
+        super().__init__()
+        self.num_heads = layer.num_heads
+        self.qkv, self.proj = copy.deepcopy(layer.qkv), copy.deepcopy(layer.proj)
+        self.phi = ReleasePhi(layer.num_heads, height, width)
+        source = layer.phi
+        with torch.no_grad():
+            for target, value in ((self.phi.rpe_proj.weight, source.distance_embedding.weight),
+                                  (self.phi.rpe_proj.bias, source.distance_embedding.bias),
+                                  (self.phi.conv1.weight, source.proj1_weight), (self.phi.conv1.bias, source.proj1_bias),
+                                  (self.phi.gn1.weight, source.norm1_weight), (self.phi.gn1.bias, source.norm1_bias),
+                                  (self.phi.conv2.weight, source.proj2_weight), (self.phi.conv2.bias, source.proj2_bias),
+                                  (self.phi.gn2.weight, source.norm2_weight), (self.phi.gn2.bias, source.norm2_bias)):
+                target.copy_(value)
+
+    def forward(self, x: torch.Tensor, hw: TokenGrid) -> torch.Tensor:
+        q, k, v = rearrange(self.qkv(x), 'b n (three h d) -> three b h n d', three=3, h=self.num_heads)
+        scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+        attn = F.normalize(torch.exp(scores - scores.amax(-1, keepdim=True)) * self.phi(), p=1, dim=-1)
+        return self.proj(rearrange(attn @ v, 'b h n d -> b n (h d)'))
+
+
+def with_release_mpa(model: nn.Module, image_size: int) -> nn.Module:
+    """A copy of a PerViT whose attention layers are :class:`ReleaseMPA` (224 x 224 -> 14 x 14 grid)."""
+    model = copy.deepcopy(model)
+    side = -(-image_size // STEM_STRIDE)
+    for block in model.blocks:
+        block.attn = ReleaseMPA(block.attn, side, side)
+    return model
+
+
+def train_step(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, autocast) -> Callable[[], None]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
+    model.train()
+
+    def step():
+        with autocast:
+            loss = F.cross_entropy(model(images), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def inference(model: nn.Module, images: torch.Tensor, autocast) -> Callable[[], None]:
+    model = copy.deepcopy(model).eval()
+
+    def forward():
+        with torch.no_grad(), autocast:
+            model(images)
+    return forward
+
+
+def gmac(model: nn.Module, images: torch.Tensor, phi_counted: bool, attention_counted: bool = True) -> float:
+    """Multiply-accumulates of one forward per image, in G. Φp left out: eval with Φp cached;
+    counted: train mode, where every layer computes it (independent of the batch). Without
+    ``attention_counted``, q k^T and A v are left out too, which reproduces the paper's figures."""
+    model.train(phi_counted)
+    with torch.no_grad():
+        model(images)  # fills the eval caches
+        with FlopCounterMode(display=False, custom_mapping=FLOP_MAPPING if attention_counted else {}) as counter:
+            model(images)
+    model.eval()
+    return counter.get_total_flops() / 2 / images.shape[0] / 1e9
+
+
+def release_phi_gmac(num_heads: int, side: int, num_layers: int) -> float:
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        ReleasePhi(num_heads, side, side)()
+    return counter.get_total_flops() / 2 * num_layers / 1e9
+
+
+def speed_rows(args) -> List[Dict[str, object]]:
+    device, dtype, size = args.device, DTYPES[args.dtype], args.size
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    torch.manual_seed(0)
+    pervit = posattn.create_model('pervit_tiny').to(device)
+    models = {'PerViT-T': pervit, 'DeiT-T': posattn.create_model('vit_tiny', phi='none').to(device),
+              'PerViT-T, release MPA': with_release_mpa(pervit, size).to(device)}
+    rows = []
+    for batch in args.batch:
+        images = torch.randn(batch, 3, size, size, device=device)
+        labels = torch.randint(0, 1000, (batch,), device=device)
+        for task, make in (('train step', lambda m: train_step(copy.deepcopy(m), images, labels, autocast)),
+                           ('inference', lambda m: inference(m, images, autocast))):
+            fns = {name: make(model) for name, model in models.items()}
+            times = time_interleaved(fns, repeat=args.repeat, warmup=args.warmup, device=device)
+            for name, fn in fns.items():
+                rows.append({'task': task, 'batch': batch, 'model': name, 'ms': times[name],
+                             'images/s': batch / times[name] * 1e3,
+                             'peak MiB': peak_memory_mb(fn, device) if args.memory else None,
+                             'vs PerViT-T': times[name] / times['PerViT-T']})
+    return rows
+
+
+def check_targets(rows: List[Dict[str, object]]) -> List[Dict[str, object]]:
+    checks = []
+    ms = {(r['task'], r['batch'], r['model']): r['ms'] for r in rows}
+    for (task, batch, model), value in ms.items():
+        if model != 'PerViT-T':
+            continue
+        deit, release = ms[(task, batch, 'DeiT-T')], ms[(task, batch, 'PerViT-T, release MPA')]
+        if task == 'train step':
+            checks.append({'check': 'PerViT-T / DeiT-T step time', 'batch': batch, 'ratio': value / deit,
+                           'target': '<= 1.25', 'met': value / deit <= 1.25})
+            checks.append({'check': 'release MPA / posattn step time', 'batch': batch, 'ratio': release / value,
+                           'target': '>= 1.5', 'met': release / value >= 1.5})
+        else:
+            checks.append({'check': 'PerViT-T / DeiT-T inference time', 'batch': batch, 'ratio': value / deit,
+                           'target': '<= 1.15', 'met': value / deit <= 1.15})
+    return checks
+
+
+def gmac_rows(size: int) -> List[Dict[str, object]]:
+    images = torch.randn(1, 3, size, size)
+    side = -(-size // STEM_STRIDE)
+    rows = []
+    for name in ('pervit_tiny', 'pervit_small', 'pervit_medium', 'vit_tiny'):
+        model = posattn.create_model(name, **({'phi': 'none'} if name == 'vit_tiny' else {}))
+        row = {'model': name, 'params M': sum(p.numel() for p in model.parameters()) / 1e6,
+               'GMAC, Φp cached': gmac(model, images, phi_counted=False),
+               'GMAC as the paper counts': gmac(model, images, phi_counted=False, attention_counted=False)}
+        if name.startswith('pervit'):
+            row['GMAC, Φp by posattn'] = gmac(model, images, phi_counted=True)
+            row['Φp by the release, GMAC'] = release_phi_gmac(model.blocks[0].attn.num_heads, side, len(model.blocks))
+            row['GMAC, Φp by the release'] = row['GMAC, Φp cached'] + row['Φp by the release, GMAC']
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--device', type=torch.device, default=torch.device('cpu'))
+    parser.add_argument('--dtype', choices=sorted(DTYPES), default='fp32')
+    parser.add_argument('--batch', type=int, nargs='+', default=[8, 32])
+    parser.add_argument('--size', type=int, default=224)
+    parser.add_argument('--repeat', type=int, default=10)
+    parser.add_argument('--warmup', type=int, default=2)
+    parser.add_argument('--no-memory', dest='memory', action='store_false', help='skip peak-memory runs')
+    parser.add_argument('--quick', action='store_true', help='batch 8, 3 rounds, 1 warm-up: checks that it runs')
+    args = parser.parse_args()
+    if args.quick:
+        args.batch, args.repeat, args.warmup = [8], 3, 1
+    rows = speed_rows(args)
+    checks = check_targets(rows)
+    macs = gmac_rows(args.size)
+    print(f'{args.size}x{args.size} {args.dtype} on {args.device}, {torch.get_num_threads()} threads, '
+          f'torch {torch.__version__}, median of {args.repeat} rounds')
+    print_table(rows, ['task', 'batch', 'model', 'ms', 'images/s', 'peak MiB', 'vs PerViT-T'])
+    print()
+    print_table(checks, ['check', 'batch', 'ratio', 'target', 'met'])
+    print()
+    print_table(macs, ['model', 'params M', 'GMAC as the paper counts', 'GMAC, Φp cached', 'GMAC, Φp by posattn', 'GMAC, Φp by the release',
+                       'Φp by the release, GMAC'])
+    path = save_json(f'models-{args.device.type}-{args.dtype}', {
+        'settings': {'batch': args.batch, 'size': args.size, 'dtype': args.dtype, 'device': str(args.device),
+                     'repeat': args.repeat, 'warmup': args.warmup, 'quick': args.quick},
+        'rows': rows, 'checks': checks, 'gmac': macs})
+    print(f'saved {path}')
+
+
+if __name__ == '__main__':
+    main()

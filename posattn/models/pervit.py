@@ -1,0 +1,224 @@
+"""PerViT: Peripheral Vision Transformer (Min et al., NeurIPS 2022), Tiny / Small / Medium.
+
+The layout of the authors' release (spec ``pervit.md``, "PerViT models"; paper Appendix E,
+Table A5), with posattn's parameter names (``posattn.convert.pervit_from_release`` maps a
+release checkpoint):
+
+    stem    4 x [3x3 conv stride 2 -> BatchNorm -> ReLU], 1x1 conv       (B, 3, H, W) -> (B, C0, H/16, W/16)
+    blocks  12 in 4 stages [2, 2, 6, 2], one token grid throughout (columnar, no downsampling):
+              x = x + DropPath(MPA(LN1(CPE(x))))
+              x = res(x) + DropPath(MLP(LN2(x)))
+            CPE: 3x3 depthwise conv on the attention branch only; MPA: Multi-head Peripheral
+            Attention, softmax(q k^T / sqrt(d) + log Φp) v (Eq. 5); at the last block of stages 1-3
+            ``res`` is a Linear to the next stage's width and the MLP's fc2 outputs that width.
+    head    LayerNorm -> mean over tokens -> Linear
+
+Every layer's Φp (:class:`~posattn.phi.peripheral.PeripheralPhi`) reads one distance embedding
+owned by the model, and starts from the release's initialisation over all 12 layers (early
+layers local, late ones near uniform). Φp depends only on the token grid, so any input the stem
+accepts works, square or not: the grid is ceil(H/16) x ceil(W/16) and each Φp is evaluated on it
+(recomputed once per forward while training, cached per grid at eval).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, List, Sequence, Tuple
+
+import torch
+from einops import rearrange
+from torch import nn
+
+from ..attention import Attention
+from ..grid import TokenGrid
+from ..phi.peg import PositionEncodingGenerator
+from ..phi.peripheral import DistanceEmbedding, PeripheralPhi
+from .registry import register_model
+from .vit import DropPath, Mlp
+
+__all__ = ['PerViT', 'PerViTBlock', 'ConvStem', 'PERVIT_LAYOUTS', 'pervit_tiny', 'pervit_small',
+           'pervit_medium']
+
+# name -> heads, channels per stage, conv-stem channels (paper Table A5; the release's Small stem
+# ends at 272, the table's 262 is a typo: the 1x1 conv maps 272 -> 272 in the checkpoint).
+PERVIT_LAYOUTS = {
+    'pervit_tiny': dict(num_heads=4, embed_dims=(128, 192, 224, 280), stem_dims=(48, 64, 96, 128)),
+    'pervit_small': dict(num_heads=8, embed_dims=(272, 320, 368, 464), stem_dims=(64, 128, 192, 272)),
+    'pervit_medium': dict(num_heads=12, embed_dims=(312, 468, 540, 684), stem_dims=(64, 192, 256, 312)),
+}
+
+
+class ConvStem(nn.Module):
+    """Convolutional patch embedding (Xiao et al. 2021, "Early convolutions help transformers see better").
+
+    Each 3x3 stride-2 convolution (padding 1) maps a side of n pixels to ceil(n / 2), so the grid
+    is ceil(H / 2^k) x ceil(W / 2^k) for k = ``len(dims)`` layers; inputs with a side shorter than
+    2^k pixels are refused (they would give a grid whose tokens see mostly padding).
+
+    Args:
+        in_chans: image channels.
+        dims: output channels of the 3x3 conv-BN-ReLU layers.
+        embed_dim: token channels, from the final 1x1 convolution.
+    """
+
+    def __init__(self, in_chans: int, dims: Sequence[int], embed_dim: int):
+        super().__init__()
+        self.in_chans = in_chans
+        self.stride = 2 ** len(dims)
+        self.layers = nn.Sequential(*[
+            nn.Sequential(OrderedDict(conv=nn.Conv2d(c_in, c_out, 3, 2, 1), norm=nn.BatchNorm2d(c_out),
+                                      act=nn.ReLU(inplace=True)))
+            for c_in, c_out in zip((in_chans, *dims[:-1]), dims)])
+        self.proj = nn.Conv2d(dims[-1], embed_dim, 1)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, TokenGrid]:
+        """Images (B, in_chans, H, W) -> tokens (B, h*w, embed_dim) and their h x w grid."""
+        if x.dim() != 4 or x.shape[1] != self.in_chans:
+            raise ValueError(f'expected images (B, {self.in_chans}, H, W), got shape {tuple(x.shape)}'
+                             + ('; convert them to RGB (e.g. repeat a grey channel 3 times)'
+                                if x.dim() == 4 and self.in_chans == 3 else ''))
+        height, width = x.shape[-2:]
+        if height < self.stride or width < self.stride:
+            raise ValueError(f'input of {height}x{width} pixels is too small for the stem, which '
+                             f'downsamples by {self.stride}: each side needs at least {self.stride} pixels')
+        x = self.proj(self.layers(x))
+        return rearrange(x, 'b c h w -> b (h w) c'), TokenGrid(x.shape[-2], x.shape[-1])
+
+
+class PerViTBlock(nn.Module):
+    """x = x + DropPath(MPA(LN1(CPE(x)))), then x = res(x) + DropPath(MLP(LN2(x))) (the release's block).
+
+    Args:
+        dim: token channels in.
+        out_dim: token channels out; a different width adds the ``res`` Linear on the residual.
+        num_heads: attention heads.
+        phi: this layer's peripheral Φp.
+        drop_path: stochastic depth rate of both branches.
+
+    The MLP is 4 * ``dim`` wide (DeiT's ratio, the release's).
+    """
+
+    def __init__(self, dim: int, out_dim: int, num_heads: int, phi: PeripheralPhi, drop_path: float = 0.0):
+        super().__init__()
+        self.cpe = PositionEncodingGenerator(dim, residual=False)
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Attention(dim, num_heads, phi=phi, qkv_bias=False)
+        self.drop_path1 = DropPath(drop_path)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(dim, 4 * dim, out_dim=out_dim)
+        self.drop_path2 = DropPath(drop_path)
+        self.res = nn.Linear(dim, out_dim) if out_dim != dim else nn.Identity()
+
+    def forward(self, x: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
+        """x: (B, H*W, dim) on ``grid`` -> (B, H*W, out_dim)."""
+        x = x + self.drop_path1(self.attn(self.norm1(self.cpe.tokens(x, grid)), grid))
+        return self.res(x) + self.drop_path2(self.mlp(self.norm2(x)))
+
+
+class PerViT(nn.Module):
+    """Peripheral Vision Transformer: conv stem, columnar blocks with peripheral attention, GAP head.
+
+    Args:
+        embed_dims: token channels of each stage.
+        depths: blocks per stage.
+        num_heads: attention heads in every block (head width = stage width / heads).
+        stem_dims: channels of the stem's 3x3 conv layers.
+        in_chans: image channels.
+        num_classes: classifier outputs; 0 for no head (``forward`` returns pooled features).
+        drop_path_rate: stochastic depth, rising linearly from 0 over all blocks to this rate
+            (paper: 0.0 / 0.1 / 0.2 for T / S / M).
+    """
+
+    def __init__(self, embed_dims: Sequence[int] = (128, 192, 224, 280), depths: Sequence[int] = (2, 2, 6, 2),
+                 num_heads: int = 4, stem_dims: Sequence[int] = (48, 64, 96, 128), in_chans: int = 3,
+                 num_classes: int = 1000, drop_path_rate: float = 0.0):
+        super().__init__()
+        if len(embed_dims) != len(depths):
+            raise ValueError(f'{len(embed_dims)} stage widths for {len(depths)} stages')
+        bad = [d for d in embed_dims if d % num_heads]
+        if bad:
+            raise ValueError(f'stage widths {bad} are not divisible by num_heads {num_heads}')
+        self.num_classes = num_classes
+        self.num_features = embed_dims[-1]
+        self.stem = ConvStem(in_chans, stem_dims, embed_dims[0])
+        # Φp's w_r: one Linear(1, 4 * heads) for the whole model, as in the release.
+        self.distance_embedding = DistanceEmbedding(4 * num_heads)
+        dims = [dim for dim, depth in zip(embed_dims, depths) for _ in range(depth)]
+        out_dims = dims[1:] + dims[-1:]
+        num_layers = len(dims)
+        drop_paths = torch.linspace(0, drop_path_rate, num_layers).tolist()
+        self.blocks = nn.ModuleList([
+            PerViTBlock(dims[i], out_dims[i], num_heads,
+                        PeripheralPhi(num_heads, layer_index=i, num_layers=num_layers,
+                                      distance_embedding=self.distance_embedding),
+                        drop_paths[i])
+            for i in range(num_layers)])
+        self.norm = nn.LayerNorm(self.num_features, eps=1e-6)
+        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """The release's: truncated normal (std 0.02, zero bias) for every Linear (qkv, proj, MLP,
+        res, head); PyTorch's defaults for the convolutions and norms; each Φp keeps its own."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.trunc_normal_(module.weight, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    def forward_intermediates(self, x: torch.Tensor, indices: Sequence[int]) -> List[torch.Tensor]:
+        """Output maps of the blocks ``indices``, each (B, C_i, h, w) before any norm, in the order given.
+
+        Blocks after the last requested one are not run. For dense-prediction backbones.
+        """
+        indices = [int(i) for i in indices]
+        bad = [i for i in indices if not 0 <= i < len(self.blocks)]
+        if bad or not indices:
+            raise ValueError(f'block indices {bad or indices} are not in 0..{len(self.blocks) - 1}')
+        x, grid = self.stem(x)
+        maps = {}
+        for i, block in enumerate(self.blocks[:max(indices) + 1]):
+            x = block(x, grid)
+            if i in indices:
+                maps[i] = rearrange(x, 'b (h w) c -> b c h w', h=grid.height, w=grid.width)
+        return [maps[i] for i in indices]
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images (B, 3, H, W) -> the final normalised map (B, C, ceil(H/16), ceil(W/16))."""
+        x, grid = self.stem(x)
+        for block in self.blocks:
+            x = block(x, grid)
+        return rearrange(self.norm(x), 'b (h w) c -> b c h w', h=grid.height, w=grid.width)
+
+    def forward_head(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, h, w) -> logits (B, num_classes): global average pooling, then the classifier."""
+        return self.head(x.mean(dim=(-2, -1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+def _create(name: str, **kwargs: Any) -> PerViT:
+    fixed = sorted(set(kwargs) & set(PERVIT_LAYOUTS[name]))
+    if fixed:
+        raise TypeError(f'{", ".join(fixed)}: set by the model name {name!r}; build PerViT directly to change')
+    return PerViT(**PERVIT_LAYOUTS[name], **kwargs)
+
+
+@register_model('pervit_tiny')
+def pervit_tiny(**kwargs: Any) -> PerViT:
+    """PerViT-T: 4 heads, widths 128-192-224-280; 7,591,000 parameters, 1.6 GMAC; 78.8% top-1."""
+    return _create('pervit_tiny', **kwargs)
+
+
+@register_model('pervit_small')
+def pervit_small(**kwargs: Any) -> PerViT:
+    """PerViT-S: 8 heads, widths 272-320-368-464; 21,317,672 parameters, 4.4 GMAC; 82.1% top-1
+    (trained with drop_path_rate=0.1)."""
+    return _create('pervit_small', **kwargs)
+
+
+@register_model('pervit_medium')
+def pervit_medium(**kwargs: Any) -> PerViT:
+    """PerViT-M: 12 heads, widths 312-468-540-684; 43,723,936 parameters, 9.0 GMAC; 82.9% top-1
+    (trained with drop_path_rate=0.2)."""
+    return _create('pervit_medium', **kwargs)

@@ -1,0 +1,193 @@
+"""Release checkpoints: the converter, create_model(checkpoint=...), and parity with the release.
+
+Tiny is checked against the fixture the release computed; Small and Medium against
+``release_pervit.ReleasePerViT`` (float64), which is first checked against that same fixture.
+"""
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import posattn
+from posattn.convert import is_pervit_release, pervit_from_release, to_posattn_layout
+
+from conftest import load_fixture, weights_recipe
+from release_pervit import LAYOUTS, ReleasePerViT, release_spec
+
+FIXTURE = 'pervit_tiny_release_seed7.pt'
+PHI_ATOL, BLOCK_RTOL, LOGITS_ATOL = 1e-4, 1e-5, 1e-4  # the issue's parity bounds
+
+
+@pytest.fixture(scope='module')
+def fixture():
+    data = load_fixture(FIXTURE)
+    data['weights'] = weights_recipe().release_state_dict(data['spec'], data['seed'])
+    return data
+
+
+def release_weights(size, seed):
+    return weights_recipe().release_state_dict(release_spec(size), seed)
+
+
+def posattn_outputs(model, images):
+    """Logits, every block's output as (B, HW, C) and every layer's Φp, in eval mode."""
+    model.eval()
+    with torch.no_grad():
+        logits = model(images)
+        maps = model.forward_intermediates(images, range(len(model.blocks)))
+        height, width = maps[0].shape[-2:]
+        return {'logits': logits,
+                'block_out': {i: m.flatten(2).transpose(1, 2) for i, m in enumerate(maps)},
+                'phi_p': {i: b.attn.phi.position_attention(height, width) for i, b in enumerate(model.blocks)}}
+
+
+def assert_parity(outputs, expected):
+    for i, phi in expected['phi_p'].items():
+        torch.testing.assert_close(outputs['phi_p'][i], phi.reshape(outputs['phi_p'][i].shape).float(),
+                                   rtol=0, atol=PHI_ATOL, msg=f'Φp of layer {i}')
+    for i, out in expected['block_out'].items():
+        scale = out.abs().max().item()
+        torch.testing.assert_close(outputs['block_out'][i], out.float(), rtol=0, atol=BLOCK_RTOL * scale,
+                                   msg=f'output of block {i}')
+    torch.testing.assert_close(outputs['logits'], expected['logits'].float(), rtol=0, atol=LOGITS_ATOL)
+
+
+def test_release_spec_generator_reproduces_the_fixture_spec():
+    spec = load_fixture(FIXTURE)['spec']
+    assert release_spec('tiny') == [(name, tuple(shape)) for name, shape in spec]
+    counts = {size: sum(p.numel() for p in ReleasePerViT(size).parameters()) for size in LAYOUTS}
+    assert counts == {'tiny': 7_591_000, 'small': 21_317_672, 'medium': 43_723_936}
+
+
+def test_release_reference_reproduces_the_fixture(fixture):
+    """The float64 re-implementation used for Small and Medium is validated here, on Tiny."""
+    reference = ReleasePerViT('tiny').double().eval()
+    reference.load_state_dict(fixture['weights'], strict=True)
+    out = reference(fixture['input'].double())
+    for i in range(12):
+        assert (out['phi_p'][i] - fixture['phi_p'][i][0]).abs().max() < 2e-5  # fixture: 1.5e-5 off float64
+        block = fixture['block_out'][i]
+        assert (out['block_out'][i] - block).abs().max() < 2e-6 * block.abs().max()
+    assert (out['logits'] - fixture['logits']).abs().max() < 2e-6
+
+
+def test_tiny_matches_release_fixture(fixture):
+    model = posattn.create_model('pervit_tiny')
+    model.load_state_dict(pervit_from_release(fixture['weights']), strict=True)
+    expected = {k: fixture[k] for k in ('logits', 'block_out', 'phi_p')}
+    assert_parity(posattn_outputs(model, fixture['input']), expected)
+
+
+@pytest.mark.parametrize('size,seed,image_size', [
+    ('tiny', 3, (160, 224)),
+    ('small', 11, (224, 224)),
+    pytest.param('medium', 12, (224, 224), marks=pytest.mark.slow),
+])
+def test_matches_release_reference(size, seed, image_size):
+    weights = release_weights(size, seed)
+    reference = ReleasePerViT(size).double().eval()
+    reference.load_state_dict(weights, strict=True)
+    images = torch.randn(2, 3, *image_size, generator=torch.Generator().manual_seed(seed))
+    expected = reference(images.double())
+    model = posattn.create_model(f'pervit_{size}')
+    model.load_state_dict(pervit_from_release(weights), strict=True)
+    assert_parity(posattn_outputs(model, images), expected)
+
+
+@pytest.mark.parametrize('size', sorted(LAYOUTS))
+def test_converter_renames_every_tensor_one_to_one(size):
+    weights = release_weights(size, seed=1)
+    converted = pervit_from_release({'model': weights, 'epoch': 299})
+    expected = posattn.create_model(f'pervit_{size}').state_dict()
+    assert list(converted) != list(weights) and len(converted) == len(weights) == len(expected)
+    assert {k: v.shape for k, v in converted.items()} == {k: v.shape for k, v in expected.items()}
+    assert {id(v) for v in converted.values()} == {id(v) for v in weights.values()}  # no copies
+    assert pervit_from_release(weights).keys() == converted.keys()
+
+
+def test_converter_refuses_other_layouts():
+    state_dict = posattn.create_model('pervit_tiny').state_dict()
+    assert not is_pervit_release(state_dict)
+    with pytest.raises(ValueError, match="not a PerViT release checkpoint: it has no 'rpe_proj.weight'"):
+        pervit_from_release(state_dict)
+    with pytest.raises(TypeError, match='a checkpoint is a state_dict or a dict with a "model" state_dict'):
+        pervit_from_release([('rpe_proj.weight', torch.zeros(16, 1))])
+    assert to_posattn_layout({'model': state_dict})[1] == 'posattn'
+
+
+def test_dead_release_parameters_are_carried_and_change_nothing():
+    weights = release_weights('tiny', seed=2)
+    model = posattn.create_model('pervit_tiny').eval()
+    model.load_state_dict(pervit_from_release(weights))
+    images = torch.randn(1, 3, 64, 80)
+    with torch.no_grad():
+        before = model(images)
+        shifted = {k: v + 3 if k == 'rpe_proj.bias' or k.endswith(('activation.conv1.bias', 'activation.conv2.bias'))
+                   else v for k, v in weights.items()}
+        model.load_state_dict(pervit_from_release(shifted))
+        torch.testing.assert_close(model(images), before, rtol=0, atol=1e-5)
+
+
+def test_create_model_loads_release_and_posattn_checkpoints(tmp_path):
+    weights = release_weights('tiny', seed=4)
+    release_path = tmp_path / 'release.pth'
+    torch.save({'model': weights, 'epoch': 299, 'args': argparse.Namespace(model='pervit_tiny')}, release_path)
+    model = posattn.create_model('pervit_tiny', checkpoint=release_path)
+    for key, value in pervit_from_release(weights).items():
+        assert torch.equal(model.state_dict()[key], value), key
+    posattn_path = tmp_path / 'posattn.pth'
+    torch.save(model.state_dict(), posattn_path)
+    again = posattn.create_model('pervit_tiny', checkpoint=str(posattn_path), drop_path_rate=0.1)
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values()))
+
+
+def test_checkpoint_of_another_model_names_it(tmp_path):
+    path = tmp_path / 'small.pth'
+    torch.save({'model': release_weights('small', seed=5)}, path)
+    with pytest.raises(ValueError) as error:
+        posattn.create_model('pervit_tiny', checkpoint=path)
+    message = str(error.value)
+    assert message.startswith(f'checkpoint {path} (PerViT release layout) does not fit pervit_tiny:')
+    assert "this is a pervit_small checkpoint: create_model('pervit_small', checkpoint=...)" in message
+    assert 'wrong shapes (289): stem.layers.0.conv.weight: checkpoint (64, 3, 3, 3), model (48, 3, 3, 3)' in message
+
+
+def test_checkpoint_mismatch_lists_missing_unexpected_and_classifier(tmp_path):
+    state_dict = posattn.create_model('pervit_tiny', num_classes=10).state_dict()
+    path = tmp_path / 'ten_classes.pth'
+    torch.save(state_dict, path)
+    with pytest.raises(ValueError, match=r'only the classifier differs: pass num_classes=10\n'
+                                         r'  wrong shapes \(2\): head.weight: checkpoint \(10, 280\), model \(1000, 280\)'):
+        posattn.create_model('pervit_tiny', checkpoint=path)
+    assert posattn.create_model('pervit_tiny', checkpoint=path, num_classes=10).head.out_features == 10
+    state_dict['extra.weight'] = state_dict.pop('norm.weight')
+    torch.save(state_dict, path)
+    with pytest.raises(ValueError, match=r"missing keys \(1\): norm.weight\n  unexpected keys \(1\): extra.weight"):
+        posattn.create_model('pervit_tiny', checkpoint=path, num_classes=10)
+
+
+def test_checkpoint_with_arbitrary_objects_is_refused(tmp_path):
+    path = tmp_path / 'pickled.pth'
+    torch.save({'model': {}, 'hook': _Unsafe()}, path)
+    with pytest.raises(ValueError, match='holds objects other than tensors .* weights-only loading refuses'):
+        posattn.create_model('pervit_tiny', checkpoint=path)
+
+
+class _Unsafe:
+    pass
+
+
+def test_model_card_examples_run(tmp_path, monkeypatch):
+    card = Path(__file__).resolve().parents[1] / 'docs' / 'models.md'
+    use, load = re.findall(r'```python\n(.*?)```', card.read_text(), flags=re.S)
+    namespace = {}
+    exec(compile(use, 'docs/models.md', 'exec'), namespace)
+    assert namespace['logits'].shape == (2, 1000) and namespace['features'].shape == (2, 280, 10, 14)
+    assert [m.shape[1] for m in namespace['maps']] == [192, 224, 280, 280]
+    release = ReleasePerViT('small').state_dict()
+    monkeypatch.chdir(tmp_path)
+    torch.save({'model': release, 'args': argparse.Namespace(model='pervit_small')}, 'pervit_small.pth')
+    exec(compile(load, 'docs/models.md', 'exec'), namespace)
+    assert torch.equal(namespace['model'].distance_embedding.weight, release['rpe_proj.weight'])
