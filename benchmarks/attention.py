@@ -64,6 +64,19 @@ def fwd_bwd(forward: Callable[[], torch.Tensor], upstream: torch.Tensor) -> Call
     return step
 
 
+def layer_steps(layers: Dict[str, Attention], grid: TokenGrid, args, autocast) -> Dict[str, Callable[[], None]]:
+    """fwd+bwd of each layer on the same random (B, N, dim) input and upstream gradient."""
+    x = torch.randn(args.batch, grid.num_tokens, args.dim, device=args.device, requires_grad=True)
+    upstream = torch.randn(args.batch, grid.num_tokens, args.dim, device=args.device)
+
+    def step(layer):
+        def forward():
+            with autocast:
+                return layer(x, grid)
+        return fwd_bwd(forward, upstream)
+    return {name: step(layer) for name, layer in layers.items()}
+
+
 def compare(name: str, grid: int, variants: Dict[str, Callable[[], None]], target: str,
             check: Optional[Callable[[Dict[str, object]], bool]], args, memory: bool = False) -> Dict[str, object]:
     a, b = variants
@@ -86,18 +99,11 @@ def run(args) -> List[Dict[str, object]]:
         tokens = size * size
         grid = TokenGrid(size, size)
         layers = {phi: Attention(dim, heads, phi=phi).to(device) for phi in ('peripheral', 'none')}
-        x = torch.randn(batch, tokens, dim, device=device, requires_grad=True)
-        upstream = torch.randn(batch, tokens, dim, device=device)
-
-        def layer_step(phi):
-            def forward():
-                with autocast:
-                    return layers[phi](x, grid)
-            return fwd_bwd(forward, upstream)
+        x = torch.randn(batch, tokens, dim, device=device)
 
         limit_time, limit_mem = (1.3, None) if size <= 14 else (1.6, 3.0)
         rows.append(compare(
-            'layer fwd+bwd', size, {'peripheral': layer_step('peripheral'), 'none': layer_step('none')},
+            'layer fwd+bwd', size, layer_steps(layers, grid, args, autocast),
             f'time <= {limit_time}x' + (f', memory <= {limit_mem}x' if limit_mem else ''),
             lambda r, lt=limit_time, lm=limit_mem: r['A/B time'] <= lt and (lm is None or r['A/B memory'] <= lm),
             args, memory=True))
@@ -159,20 +165,11 @@ def plugin_rows(args) -> List[Dict[str, object]]:
         layers = {'none': Attention(dim, heads, num_prefix_tokens=1),
                   'peg': Attention(dim, heads, phi='peg', num_prefix_tokens=1),
                   'irpe ctx-k': Attention(dim, heads, phi='irpe', phi_cfg=IRPE_K, num_prefix_tokens=1)}
-        layers = {name: layer.to(device) for name, layer in layers.items()}
-        x = torch.randn(batch, grid.num_tokens, dim, device=device, requires_grad=True)
-        upstream = torch.randn(batch, grid.num_tokens, dim, device=device)
-
-        def layer_step(phi):
-            def forward():
-                with autocast:
-                    return layers[phi](x, grid)
-            return fwd_bwd(forward, upstream)
-
+        steps = layer_steps({name: layer.to(device) for name, layer in layers.items()}, grid, args, autocast)
         for phi in ('peg', 'irpe ctx-k'):
             limit = 1.35 if phi == 'irpe ctx-k' and size <= 14 else None
             rows.append(compare(
-                'layer fwd+bwd, class token', size, {phi: layer_step(phi), 'none': layer_step('none')},
+                'layer fwd+bwd, class token', size, {phi: steps[phi], 'none': steps['none']},
                 f'time <= {limit}x' if limit else 'report',
                 (lambda r, lt=limit: r['A/B time'] <= lt) if limit else None, args, memory=True))
     return rows
