@@ -1,0 +1,19 @@
+"""posattn in OpenMMLab (mmengine / mmpretrain / mmdet / mmseg): import this module once.
+
+``custom_imports = dict(imports=['integrations.openmmlab'], allow_failed_imports=False)`` in a
+config (or importing it in a script) does three things:
+
+* registers the backbones ``PosattnPerViT`` and ``PosattnViT`` in mmengine's root ``MODELS``
+  (:mod:`.backbones`), visible from every toolbox's registry;
+* registers the datasets ``PositionalShapes`` (the embedded set) and ``CheckedImageNet`` in
+  mmpretrain's ``DATASETS`` (:mod:`.datasets`);
+* makes mmengine load local checkpoints weights-only with an allow-list of its own types, so
+  resume, ``load_from`` and testing work on torch >= 2.6 (:mod:`.checkpoint`).
+"""
+from .backbones import PosattnPerViT, PosattnViT
+from .checkpoint import register_checkpoint_loader
+from .datasets import CheckedImageNet, PositionalShapes
+
+register_checkpoint_loader()
+
+__all__ = ['PosattnPerViT', 'PosattnViT', 'PositionalShapes', 'CheckedImageNet', 'register_checkpoint_loader']

@@ -1,0 +1,257 @@
+"""posattn's models as OpenMMLab backbones, registered once in mmengine's root ``MODELS``.
+
+The root registry is the parent of mmpretrain's, mmdet's and mmseg's, so a config of any of
+them builds ``dict(type='PosattnPerViT', ...)`` or ``dict(type='PosattnViT', ...)`` after
+``custom_imports = dict(imports=['integrations.openmmlab'])``. The ``Posattn`` prefix keeps the
+names clear of the toolboxes' own ``VisionTransformer`` and friends.
+
+Both follow mmpretrain's backbone conventions (``arch`` table or dict, ``out_indices``,
+``frozen_stages``, ``init_cfg``) and return a tuple with one output per index in
+``out_indices``. The wrapped posattn model sits under ``.model`` with posattn's parameter names;
+``init_cfg=dict(type='Pretrained', checkpoint=...)`` reads posattn checkpoints and the layouts
+:func:`posattn.convert.to_posattn_layout` converts (the PerViT release's), weights-only, and
+loads everything but the classifier strictly.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from einops import rearrange
+from mmengine.model import BaseModule
+from mmengine.registry import MODELS
+from mmengine.runner import CheckpointLoader
+from torch import nn
+
+from posattn.convert import to_posattn_layout
+from posattn.grid import TokenGrid
+from posattn.models.pervit import PERVIT_LAYOUTS, PerViT
+from posattn.models.vit import LAYOUTS as VIT_LAYOUTS
+from posattn.models.vit import VisionTransformer, resize_pos_embed
+
+__all__ = ['PosattnPerViT', 'PosattnViT']
+
+PERVIT_DEPTHS = (2, 2, 6, 2)
+PERVIT_ARCHS = {name.split('_')[1]: dict(depths=PERVIT_DEPTHS, **layout) for name, layout in PERVIT_LAYOUTS.items()}
+VIT_ARCHS = {name.split('_')[1]: dict(embed_dim=dim, num_heads=heads) for name, (dim, heads) in VIT_LAYOUTS.items()}
+
+
+def _resolve_arch(arch: Union[str, Mapping[str, Any]], archs: Dict[str, Dict[str, Any]],
+                  keys: Sequence[str]) -> Dict[str, Any]:
+    """``archs[arch]``, or ``arch`` itself when it is a dict with exactly ``keys``."""
+    if isinstance(arch, str):
+        if arch not in archs:
+            raise ValueError(f'unknown arch {arch!r}; choose one of {sorted(archs)} or pass a dict with {list(keys)}')
+        return dict(archs[arch])
+    if set(arch) != set(keys):
+        raise ValueError(f'an arch dict needs exactly the keys {sorted(keys)}, got {sorted(arch)}')
+    return dict(arch)
+
+
+def _resolve_out_indices(out_indices: Union[int, Sequence[int]], num_blocks: int) -> Tuple[int, ...]:
+    """Block indices, negative ones counted from the end, checked and in the order given."""
+    indices = (out_indices,) if isinstance(out_indices, int) else tuple(out_indices)
+    resolved = tuple(i + num_blocks if i < 0 else i for i in indices)
+    if not resolved or any(not 0 <= i < num_blocks for i in resolved):
+        raise ValueError(f'out_indices {indices} must name blocks in 0..{num_blocks - 1} (or -{num_blocks}..-1)')
+    return resolved
+
+
+def _freeze(*modules: Optional[nn.Module]) -> None:
+    for module in modules:
+        if module is None:
+            continue
+        if isinstance(module, nn.Parameter):
+            module.requires_grad = False
+            continue
+        module.eval()
+        for param in module.parameters():
+            param.requires_grad = False
+
+
+class _PretrainedMixin:
+    """``init_cfg=dict(type='Pretrained', checkpoint=...)`` through posattn's conversion.
+
+    Other ``init_cfg`` types go to mmengine's :class:`BaseModule` as usual.
+    """
+
+    model: nn.Module
+
+    def init_weights(self) -> None:
+        cfg = self.init_cfg
+        if not (isinstance(cfg, dict) and cfg.get('type') == 'Pretrained'):
+            super().init_weights()
+            return
+        extra = set(cfg) - {'type', 'checkpoint', 'map_location'}
+        if extra:
+            raise ValueError(f'{type(self).__name__} reads only checkpoint and map_location from a '
+                             f'Pretrained init_cfg; got {sorted(extra)} too')
+        # mmengine's CheckpointLoader handles URLs; local files go through the weights-only
+        # loader that integrations.openmmlab.checkpoint registers.
+        raw = CheckpointLoader.load_checkpoint(cfg['checkpoint'], map_location=cfg.get('map_location', 'cpu'))
+        if isinstance(raw, Mapping) and isinstance(raw.get('state_dict'), Mapping):
+            raw = {k[len('backbone.model.'):]: v for k, v in raw['state_dict'].items()
+                   if k.startswith('backbone.model.')}  # a checkpoint of these backbones under mmengine
+        state_dict, layout = to_posattn_layout(raw)
+        state_dict = {k: v for k, v in state_dict.items() if not k.startswith('head.')}
+        incompatible = self.model.load_state_dict(state_dict, strict=False)
+        missing = [k for k in incompatible.missing_keys if not k.startswith('head.')]
+        if missing or incompatible.unexpected_keys:
+            raise ValueError(f'checkpoint {cfg["checkpoint"]} ({layout} layout) does not fit {type(self).__name__}: '
+                             f'missing {missing[:8]}, unexpected {incompatible.unexpected_keys[:8]}')
+        self._is_init = True
+
+
+@MODELS.register_module()
+class PosattnPerViT(_PretrainedMixin, BaseModule):
+    """PerViT (Min et al. 2022) as a backbone: stem, 12 columnar blocks, one stride-16 grid.
+
+    Args:
+        arch: 'tiny', 'small', 'medium', or a dict with ``embed_dims``, ``depths``, ``num_heads``
+            and ``stem_dims`` (as :class:`posattn.models.pervit.PerViT` takes them).
+        out_indices: blocks whose outputs are returned, each as a (B, C_i, H/16, W/16) map; the
+            last block's goes through the final LayerNorm, as in the classifier.
+        frozen_stages: -1 trains everything; k >= 0 freezes the stem and the first k of the
+            stages (``depths``); k >= 1 also freezes the distance embedding every layer's Φp reads.
+        norm_eval: keep the stem's BatchNorm layers in eval mode while training (frozen statistics).
+        drop_path_rate: stochastic depth, rising linearly over the blocks to this rate.
+        init_cfg: mmengine init config; ``type='Pretrained'`` reads posattn or PerViT-release
+            checkpoints (the classifier is not loaded).
+
+    ``out_channels`` lists the channels of each output, for necks (e.g. mmdet's FPN ``in_channels``).
+    """
+
+    def __init__(self, arch: Union[str, Mapping[str, Any]] = 'tiny', out_indices: Union[int, Sequence[int]] = -1,
+                 frozen_stages: int = -1, norm_eval: bool = False, drop_path_rate: float = 0.0,
+                 init_cfg: Optional[Union[dict, list]] = None):
+        super().__init__(init_cfg=copy.deepcopy(init_cfg))
+        arch = _resolve_arch(arch, PERVIT_ARCHS, ('embed_dims', 'depths', 'num_heads', 'stem_dims'))
+        self.model = PerViT(**arch, num_classes=0, drop_path_rate=drop_path_rate)
+        self.stage_ends = torch.tensor(arch['depths']).cumsum(0).tolist()
+        if not -1 <= frozen_stages <= len(self.stage_ends):
+            raise ValueError(f'frozen_stages must be in -1..{len(self.stage_ends)}, got {frozen_stages}')
+        self.out_indices = _resolve_out_indices(out_indices, len(self.model.blocks))
+        self.frozen_stages = frozen_stages
+        self.norm_eval = norm_eval
+        self.out_channels = [self.model.blocks[i].mlp.fc2.out_features for i in self.out_indices]
+        self._freeze_stages()
+
+    def _freeze_stages(self) -> None:
+        if self.frozen_stages < 0:
+            return
+        _freeze(self.model.stem)
+        if self.frozen_stages >= 1:
+            _freeze(self.model.distance_embedding, *self.model.blocks[:self.stage_ends[self.frozen_stages - 1]])
+        if self.frozen_stages == len(self.stage_ends):
+            _freeze(self.model.norm)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """Images (B, 3, H, W) -> one (B, C_i, ceil(H/16), ceil(W/16)) map per ``out_indices``."""
+        x, grid = self.model.stem(x)
+        last = len(self.model.blocks) - 1
+        maps = {}
+        for i, block in enumerate(self.model.blocks[:max(self.out_indices) + 1]):
+            x = block(x, grid)
+            if i in self.out_indices:
+                tokens = self.model.norm(x) if i == last else x
+                maps[i] = rearrange(tokens, 'b (h w) c -> b c h w', h=grid.height, w=grid.width)
+        return tuple(maps[i] for i in self.out_indices)
+
+    def train(self, mode: bool = True) -> 'PosattnPerViT':
+        super().train(mode)
+        self._freeze_stages()
+        if mode and self.norm_eval:
+            for module in self.modules():
+                if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                    module.eval()
+        return self
+
+
+@MODELS.register_module()
+class PosattnViT(_PretrainedMixin, BaseModule):
+    """ViT / DeiT (posattn's :class:`~posattn.models.vit.VisionTransformer`) with any Φp.
+
+    Args:
+        arch: 'tiny', 'small', 'base' (DeiT's sizes), or a dict with ``embed_dim`` and ``num_heads``.
+        img_size: training resolution, which sizes the learned position embedding.
+        out_indices: blocks whose outputs are returned; the last block's goes through the final
+            LayerNorm.
+        out_type: 'cls_token' (B, C), 'featmap' (B, C, h, w) or 'avg_featmap' (B, C), as in
+            mmpretrain's ``VisionTransformer``.
+        frozen_stages: -1 trains everything; k >= 0 freezes the patch embedding, class token and
+            position embedding and the first k blocks (and the PEGs after them).
+        drop_path_rate: stochastic depth, rising linearly over the blocks to this rate.
+        init_cfg: mmengine init config; ``type='Pretrained'`` reads posattn (and timm ViT / DeiT)
+            checkpoints (the classifier is not loaded).
+        **vit_kwargs: the rest of :class:`~posattn.models.vit.VisionTransformer`'s options:
+            ``phi``, ``phi_cfg``, ``pos_embed``, ``peg_after``, ``class_token``, ``patch_size``, ...
+
+    ``out_channels`` lists the channels of each output.
+    """
+
+    OUT_TYPES = ('cls_token', 'featmap', 'avg_featmap')
+
+    def __init__(self, arch: Union[str, Mapping[str, Any]] = 'tiny', img_size: int = 224,
+                 out_indices: Union[int, Sequence[int]] = -1, out_type: str = 'cls_token',
+                 frozen_stages: int = -1, drop_path_rate: float = 0.0,
+                 init_cfg: Optional[Union[dict, list]] = None, **vit_kwargs: Any):
+        super().__init__(init_cfg=copy.deepcopy(init_cfg))
+        if out_type not in self.OUT_TYPES:
+            raise ValueError(f'out_type must be one of {self.OUT_TYPES}, got {out_type!r}')
+        arch = _resolve_arch(arch, VIT_ARCHS, ('embed_dim', 'num_heads'))
+        self.model = VisionTransformer(img_size=img_size, num_classes=0, drop_path_rate=drop_path_rate,
+                                       **arch, **vit_kwargs)
+        if out_type == 'cls_token' and self.model.cls_token is None:
+            raise ValueError("out_type='cls_token' needs the class token: pass class_token=True or "
+                             "out_type='avg_featmap'")
+        depth = len(self.model.blocks)
+        if not -1 <= frozen_stages <= depth:
+            raise ValueError(f'frozen_stages must be in -1..{depth}, got {frozen_stages}')
+        self.out_indices = _resolve_out_indices(out_indices, depth)
+        self.out_type = out_type
+        self.frozen_stages = frozen_stages
+        self.out_channels = [arch['embed_dim']] * len(self.out_indices)
+        self._freeze_stages()
+
+    def _freeze_stages(self) -> None:
+        if self.frozen_stages < 0:
+            return
+        model = self.model
+        _freeze(model.patch_embed, model.cls_token, model.pos_embed, *model.blocks[:self.frozen_stages],
+                *[peg for i, peg in model.pegs.items() if int(i) < self.frozen_stages])
+        if self.frozen_stages == len(model.blocks):
+            _freeze(model.norm)
+
+    def _output(self, tokens: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
+        if self.out_type == 'cls_token':
+            return tokens[:, 0]
+        patches = tokens[:, grid.num_prefix_tokens:]
+        if self.out_type == 'avg_featmap':
+            return patches.mean(dim=1)
+        return rearrange(patches, 'b (h w) c -> b c h w', h=grid.height, w=grid.width)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """The steps of ``VisionTransformer.forward_features``, keeping the ``out_indices`` blocks' outputs."""
+        model = self.model
+        x, hw = model.patch_embed(x)
+        grid = TokenGrid(*hw, model.num_prefix_tokens)
+        if model.cls_token is not None:
+            x = torch.cat([model.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        if model.pos_embed is not None:
+            x = x + resize_pos_embed(model.pos_embed, model.grid_size, hw, model.num_prefix_tokens)
+        x = model.pos_drop(x)
+        last = len(model.blocks) - 1
+        outputs = {}
+        for i, block in enumerate(model.blocks[:max(self.out_indices) + 1]):
+            x = block(x, grid)
+            if str(i) in model.pegs:
+                x, grid = model.pegs[str(i)](x, grid)
+            if i in self.out_indices:
+                outputs[i] = self._output(model.norm(x) if i == last else x, grid)
+        return tuple(outputs[i] for i in self.out_indices)
+
+    def train(self, mode: bool = True) -> 'PosattnViT':
+        super().train(mode)
+        self._freeze_stages()
+        return self

@@ -1,0 +1,104 @@
+"""Every config in configs/ parses and builds; the embedded set; the ImageNet configs' missing-data error."""
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # integrations/ lives at the repo root
+
+from mmengine.config import Config  # noqa: E402
+from mmpretrain.registry import DATASETS, MODELS  # noqa: E402
+
+import integrations.openmmlab  # noqa: E402,F401
+from integrations.openmmlab.shapes import CLASSES, PAIRS, render_shapes  # noqa: E402
+
+CONFIGS = sorted(p.name for p in (REPO / 'configs').glob('*.py'))
+
+
+def test_the_expected_configs_exist():
+    assert set(CONFIGS) == {'pervit_t_imagenet.py', 'pervit_s_imagenet.py', 'pervit_m_imagenet.py',
+                            'deit_t_none_imagenet.py', 'deit_t_peg_imagenet.py', 'deit_t_irpe_imagenet.py',
+                            'deit_t_peripheral_imagenet.py', 'pervit_t_shapes.py', 'deit_t_none_shapes.py',
+                            'deit_t_peg_shapes.py', 'deit_t_irpe_shapes.py', 'deit_t_peripheral_shapes.py'}
+
+
+def test_shapes_configs_share_one_budget_and_differ_only_in_the_model():
+    shapes = [Config.fromfile(REPO / 'configs' / name) for name in CONFIGS if name.endswith('_shapes.py')]
+    assert len(shapes) == 5
+    def budget(cfg):
+        return {key: cfg[key] for key in cfg.keys() if key != 'model'}
+    assert all(budget(cfg) == budget(shapes[0]) for cfg in shapes)
+    assert len({str(cfg.model.backbone) for cfg in shapes}) == 5
+
+
+@pytest.mark.parametrize('name', CONFIGS)
+def test_config_parses_builds_and_runs_at_a_non_224_size(name):
+    cfg = Config.fromfile(REPO / 'configs' / name)
+    model = MODELS.build(cfg.model).eval()
+    num_classes = cfg.model.head.num_classes
+    images = torch.randn(2, 3, 96, 128)
+    with torch.no_grad():
+        logits = model(images, mode='tensor')
+    assert logits.shape == (2, num_classes) and torch.isfinite(logits).all()
+    assert cfg.default_scope == 'mmpretrain' and 'integrations.openmmlab' in cfg.custom_imports.imports
+
+
+@pytest.mark.parametrize('name,weight_decay,warmup,drop_path', [
+    ('pervit_t_imagenet.py', 0.03, 5, 0.0),
+    ('pervit_s_imagenet.py', 0.05, 5, 0.1),
+    ('pervit_m_imagenet.py', 0.05, 20, 0.2),
+])
+def test_imagenet_configs_follow_the_papers_recipe(name, weight_decay, warmup, drop_path):
+    cfg = Config.fromfile(REPO / 'configs' / name)
+    assert cfg.optim_wrapper.optimizer.weight_decay == weight_decay
+    assert cfg.optim_wrapper.optimizer.lr == pytest.approx(1e-3)  # 5e-4 * 1024 / 512
+    assert cfg.param_scheduler[0].end == warmup and cfg.param_scheduler[1].begin == warmup
+    assert cfg.model.backbone.drop_path_rate == drop_path
+    assert cfg.train_cfg.max_epochs == 300 and cfg.auto_scale_lr.base_batch_size == 1024
+    assert [a.type for a in cfg.model.train_cfg.augments] == ['Mixup', 'CutMix']
+    assert cfg.train_dataloader.sampler.type == 'RepeatAugSampler'
+
+
+def test_imagenet_missing_data_error_says_where_and_what_to_try(tmp_path):
+    cfg = Config.fromfile(REPO / 'configs' / 'pervit_t_imagenet.py')
+    dataset = dict(cfg.train_dataloader.dataset, data_root=str(tmp_path / 'imagenet'))
+    with pytest.raises(FileNotFoundError) as error:
+        DATASETS.build(dataset)
+    message = str(error.value)
+    assert f'ImageNet train not found at {tmp_path / "imagenet" / "train"}' in message
+    assert 'python tools/train.py configs/pervit_t_shapes.py' in message
+
+
+def test_mmpretrain_config_inheritance_works():
+    """``mmpretrain::`` bases need pkg_resources (setuptools < 81)."""
+    cfg = Config.fromstring("_base_ = 'mmpretrain::_base_/default_runtime.py'\n", '.py')
+    assert cfg.default_scope == 'mmpretrain'
+
+
+def test_shapes_are_deterministic_balanced_and_need_position():
+    images, labels = render_shapes(60, img_size=56, seed=3)
+    again, same_labels = render_shapes(60, img_size=56, seed=3)
+    assert images.shape == (60, 56, 56, 3) and images.dtype == np.uint8
+    assert np.array_equal(images, again) and np.array_equal(labels, same_labels)
+    assert np.bincount(labels, minlength=len(CLASSES)).tolist() == [10] * len(CLASSES)
+    assert not np.array_equal(render_shapes(60, img_size=56, seed=4)[0], images)
+    # every class has its mirror: same two shapes, the other order
+    assert {(right, left) for left, right in PAIRS} == set(PAIRS) and len(CLASSES) == 6
+    assert CLASSES[PAIRS.index((0, 1))] == 'circle left of square'
+
+
+def test_shapes_dataset_splits_and_pipeline():
+    train = DATASETS.build(dict(type='PositionalShapes', split='train', num_images=12,
+                                pipeline=[dict(type='PackInputs')]))
+    val = DATASETS.build(dict(type='PositionalShapes', split='val', num_images=12))
+    assert len(train) == 12 and train.metainfo['classes'] == CLASSES
+    sample = train[0]
+    assert tuple(sample['inputs'].shape) == (3, 64, 64)
+    assert not np.array_equal(train.get_data_info(0)['img'], val.get_data_info(0)['img'])
+    with pytest.raises(ValueError, match="split must be one of"):
+        DATASETS.build(dict(type='PositionalShapes', split='test'))
+    with pytest.raises(ValueError, match='img_size 48 is too small to place two shapes side by side; use >= 50'):
+        render_shapes(1, img_size=48)

@@ -1,0 +1,135 @@
+"""tools/train.py and tools/test.py on the embedded config, shortened with --cfg-options:
+training, resuming, evaluating, and two torchrun ranks on CPU."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mmengine.hooks import Hook
+from mmengine.registry import HOOKS
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+CONFIG = 'configs/pervit_t_shapes.py'
+# 16 images in one batch per epoch: each iteration sees the same images, so the loss must fall.
+# No random flips: the augmentation's random state is not part of a checkpoint, and the resumed
+# step must see the same batch as the uninterrupted one.
+SHORT = ['train_dataloader.dataset.num_images=16', 'train_dataloader.batch_size=16',
+         'train_dataloader.dataset.pipeline.0.prob=0.0', 'optim_wrapper.optimizer.lr=1e-3',
+         'val_dataloader.dataset.num_images=24', 'default_hooks.logger.interval=1',
+         'default_hooks.checkpoint.max_keep_ckpts=-1']
+EPOCHS = 5
+
+pytestmark = pytest.mark.slow
+
+
+@HOOKS.register_module(force=True)
+class GradientDigestHook(Hook):
+    """Saves, per rank, each iteration's per-parameter gradient norms (taken just before the
+    optimiser step, i.e. after DDP's all-reduce) and a checksum of the rank's input batch."""
+
+    def __init__(self, out_dir):
+        self.out_dir = out_dir
+        self.gradients, self.inputs = [], []
+
+    def before_train(self, runner):
+        def record(optimizer, args, kwargs):
+            self.gradients.append(torch.stack([p.grad.double().norm() for group in optimizer.param_groups
+                                               for p in group['params'] if p.grad is not None]))
+        runner.optim_wrapper.optimizer.register_step_pre_hook(record)
+
+    def before_train_iter(self, runner, batch_idx, data_batch=None):
+        self.inputs.append(sum(float(image.double().sum()) for image in data_batch['inputs']))
+
+    def after_train(self, runner):
+        torch.save(dict(gradients=self.gradients, inputs=self.inputs),
+                   os.path.join(self.out_dir, f'rank{runner.rank}.pt'))
+
+
+def run(*command, env=None):
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, **(env or {})))
+    assert result.returncode == 0, f'{" ".join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}'
+    return result.stdout + result.stderr
+
+
+def train(work_dir, *extra, epochs=EPOCHS):
+    return run(sys.executable, 'tools/train.py', CONFIG, '--work-dir', str(work_dir), *extra,
+               '--cfg-options', f'train_cfg.max_epochs={epochs}', *SHORT)
+
+
+def logged(work_dir):
+    """The scalars mmengine logged (vis_data/scalars.json), in order, across every run in work_dir."""
+    rows = []
+    for path in sorted(Path(work_dir).glob('*/vis_data/scalars.json')):
+        rows += [json.loads(line) for line in path.read_text().splitlines()]
+    return rows
+
+
+def load(path):
+    from integrations.openmmlab.checkpoint import load_local_checkpoint
+    return load_local_checkpoint(str(path), map_location='cpu')
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+    work_dir = tmp_path_factory.mktemp('shapes_train')
+    output = train(work_dir)
+    return work_dir, output
+
+
+def test_training_lowers_the_loss_and_writes_checkpoints(trained):
+    work_dir, output = trained
+    losses = [row['loss'] for row in logged(work_dir) if 'loss' in row]
+    assert len(losses) == EPOCHS
+    assert losses[-1] < losses[0] - 0.02, losses  # 1.81 -> 1.78 here: 4 steps at lr <= 1e-3
+    assert all((work_dir / f'epoch_{e}.pth').is_file() for e in range(1, EPOCHS + 1))
+    assert f'Last checkpoint: {work_dir / f"epoch_{EPOCHS}.pth"}' in output
+    assert 'Last validation: accuracy/top1:' in output
+    assert f'python tools/analyze.py {CONFIG} ' in output  # the main job points to the analysis
+
+
+def test_resume_continues_at_the_next_iteration_with_the_same_state(trained, tmp_path):
+    work_dir, _ = trained
+    output = train(tmp_path, '--resume', str(work_dir / f'epoch_{EPOCHS - 1}.pth'))
+    assert f'resumed epoch: {EPOCHS - 1}, iter: {EPOCHS - 1}' in output
+    assert [row['iter'] for row in logged(tmp_path) if 'loss' in row] == [EPOCHS]
+    straight, resumed = load(work_dir / f'epoch_{EPOCHS}.pth'), load(tmp_path / f'epoch_{EPOCHS}.pth')
+    assert (resumed['meta']['epoch'], resumed['meta']['iter']) == (EPOCHS, EPOCHS)
+    assert resumed['param_schedulers'] == straight['param_schedulers']
+    assert resumed['optimizer']['param_groups'] == straight['optimizer']['param_groups']
+    torch.testing.assert_close(resumed['optimizer']['state'], straight['optimizer']['state'])
+    torch.testing.assert_close(resumed['state_dict'], straight['state_dict'])
+
+
+def test_tools_test_evaluates_the_checkpoint(trained, tmp_path):
+    work_dir, _ = trained
+    out = tmp_path / 'metrics.json'
+    run(sys.executable, 'tools/test.py', CONFIG, str(work_dir / f'epoch_{EPOCHS}.pth'),
+        '--work-dir', str(tmp_path), '--out', str(out), '--cfg-options', *SHORT)
+    last_val = [row for row in logged(work_dir) if 'accuracy/top1' in row][-1]
+    assert json.loads(out.read_text())['accuracy/top1'] == pytest.approx(last_val['accuracy/top1'])
+
+
+def test_two_torchrun_ranks_on_cpu_agree_on_gradients(tmp_path):
+    config = tmp_path / 'shapes_with_probe.py'
+    config.write_text(
+        f"_base_ = '{REPO / CONFIG}'\n"
+        "custom_imports = dict(imports=['integrations.openmmlab', 'test_openmmlab_train'], "
+        "allow_failed_imports=False)\n"
+        f"custom_hooks = [dict(type='GradientDigestHook', out_dir='{tmp_path}')]\n")
+    run(sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+        'tools/train.py', str(config), '--launcher', 'pytorch', '--work-dir', str(tmp_path / 'work'),
+        '--cfg-options', 'train_cfg.max_epochs=1', 'train_dataloader.dataset.num_images=32',
+        'train_dataloader.batch_size=8', 'val_dataloader.dataset.num_images=16', 'default_hooks.logger.interval=1',
+        env={'PYTHONPATH': str(REPO / 'tests'), 'OMP_NUM_THREADS': '1'})
+    rank0, rank1 = (torch.load(tmp_path / f'rank{r}.pt') for r in (0, 1))
+    assert len(rank0['gradients']) == len(rank1['gradients']) == 2  # 32 images / (2 ranks x 8)
+    assert all(a != b for a, b in zip(rank0['inputs'], rank1['inputs']))  # each rank its own images
+    for grads0, grads1 in zip(rank0['gradients'], rank1['gradients']):
+        assert grads0.abs().sum() > 0
+        torch.testing.assert_close(grads0, grads1, rtol=1e-6, atol=0)
+    assert (tmp_path / 'work' / 'epoch_1.pth').is_file()

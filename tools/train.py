@@ -1,0 +1,85 @@
+"""Train a model from an mmengine config: ``python tools/train.py configs/pervit_t_shapes.py``.
+
+The arguments of OpenMMLab's ``tools/train.py``; multi-GPU and multi-node through torchrun
+(``tools/dist_train.sh``, ``--launcher pytorch``). Ends by printing the last validation metrics,
+where the checkpoints are, and the tools/analyze.py command for the checkpoint.
+"""
+import argparse
+import os
+
+from _common import load_config
+from mmengine.config import Config, DictAction
+from mmengine.dist import is_main_process
+from mmengine.hooks import Hook
+from mmengine.runner import Runner
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description='Train a model with mmengine')
+    parser.add_argument('config', help='config file')
+    parser.add_argument('--work-dir', help='where logs and checkpoints go (default: work_dirs/<config name>)')
+    parser.add_argument('--resume', nargs='?', type=str, const='auto',
+                        help='resume from a checkpoint; without a path, from the latest in the work dir')
+    parser.add_argument('--amp', action='store_true', help='automatic mixed precision')
+    parser.add_argument('--no-validate', action='store_true', help='skip validation during training')
+    parser.add_argument('--auto-scale-lr', action='store_true',
+                        help="scale the lr from the config's auto_scale_lr.base_batch_size to the batch used")
+    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+                        help='override config entries, key=value (e.g. train_cfg.max_epochs=1)')
+    parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'], default='none',
+                        help='job launcher; torchrun needs pytorch')
+    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
+    args = parser.parse_args(argv)
+    os.environ.setdefault('LOCAL_RANK', str(args.local_rank))
+    return args
+
+
+def build_config(args) -> Config:
+    """The config with the command line's overrides applied."""
+    cfg = load_config(args)
+    if args.amp:
+        cfg.optim_wrapper.type = 'AmpOptimWrapper'
+        cfg.optim_wrapper.setdefault('loss_scale', 'dynamic')
+    if args.resume == 'auto':
+        cfg.resume, cfg.load_from = True, None
+    elif args.resume is not None:
+        cfg.resume, cfg.load_from = True, args.resume
+    if args.no_validate:
+        cfg.val_cfg = cfg.val_dataloader = cfg.val_evaluator = None
+    if args.auto_scale_lr:
+        cfg.auto_scale_lr.enable = True
+    return cfg
+
+
+class LastMetrics(Hook):
+    """Keeps the metrics of the latest validation, for the closing summary."""
+
+    def __init__(self):
+        self.metrics = {}
+
+    def after_val_epoch(self, runner, metrics=None):
+        self.metrics = dict(metrics or {})
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    runner = Runner.from_cfg(build_config(args))
+    last_metrics = LastMetrics()
+    runner.register_hook(last_metrics, priority='LOWEST')
+    runner.train()
+    if is_main_process():
+        hub = runner.message_hub
+        results = ', '.join(f'{k}: {v:.2f}' for k, v in last_metrics.metrics.items()) or 'no validation run'
+        print(f'\nFinished {runner.epoch} epochs / {runner.iter} iterations. Last validation: {results}')
+        print(f'Last checkpoint: {hub.get_info("last_ckpt", "none saved")}')
+        if hub.get_info('best_ckpt') is not None:
+            print(f'Best checkpoint: {hub.get_info("best_ckpt")} ({hub.get_info("best_score"):.2f})')
+        print(f'Logs: {runner.log_dir}')
+        checkpoint = hub.get_info('best_ckpt') or hub.get_info('last_ckpt')
+        if checkpoint is not None:
+            print(f'What the attention learned (Φp maps, nonlocality, impact; docs/analysis.md):\n'
+                  f'  python tools/analyze.py {args.config} {checkpoint} --out {runner.work_dir}/analysis')
+
+
+if __name__ == '__main__':
+    main()
