@@ -11,7 +11,19 @@ from .functional import attention_probs, biased_attention
 from .grid import GridLike, TokenGrid
 from .phi import PositionalModule, build_layer_phi
 
-__all__ = ['Attention']
+__all__ = ['Attention', 'LogitsProbe']
+
+
+class LogitsProbe(nn.Module):
+    """Where the layer's attention logits can be observed: called with (q, k, bias, grid), computes nothing.
+
+    ``q``, ``k``: (B, heads, N, head_dim), unscaled; ``bias``: Φp's logits bias or None; ``grid``:
+    the :class:`TokenGrid` of the N tokens. A forward hook on it sees exactly what the layer's
+    softmax uses, whatever called the layer (``posattn.analysis`` reads attention maps this way).
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor], grid: TokenGrid) -> None:
+        return None
 
 
 class Attention(nn.Module):
@@ -58,6 +70,7 @@ class Attention(nn.Module):
         self.attn_drop = nn.Dropout(attn_drop)
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
+        self.logits_probe = LogitsProbe()
 
     def forward(self, x: torch.Tensor, hw: GridLike) -> torch.Tensor:
         """x: (B, N, C) with N = num_prefix_tokens + H * W; hw: (H, W) or a TokenGrid."""
@@ -69,6 +82,7 @@ class Attention(nn.Module):
         q, k, v = rearrange(self.qkv(x), 'b n (three h d) -> three b h n d',
                             three=3, h=self.num_heads).unbind(0)
         bias = self.phi.logits_bias(q, k, grid)
+        self.logits_probe(q, k, bias, grid)
         if self.phi.uses_attention_probs or (self.training and self.attn_drop.p > 0):
             attn = self.attn_drop(attention_probs(q, k, bias))
             out = attn @ v

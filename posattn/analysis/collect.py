@@ -1,0 +1,182 @@
+"""Attention maps and PerViT's measures of every posattn attention layer in a model, read by hooks.
+
+Each :class:`~posattn.Attention` calls its :class:`~posattn.attention.LogitsProbe` with the q, k,
+Φp logits bias and grid that its softmax uses; a forward hook there turns them into the three
+maps of PerViT's analyses (Sec. 4.1), on the grid positions (extra tokens dropped):
+
+    content  Φc = softmax(q k^T / sqrt(d))
+    mixed    Φa = softmax(q k^T / sqrt(d) + b)      what the layer attends with
+    position Φp = exp(b)                            sigmoid(z) for peripheral (Eq. 5-8)
+
+b being the Φp's logits bias. A Φp without one (``none``, ``peg``) has no Φp map, and Φa = Φc.
+For ``irpe`` Φp = exp(b) is the position term of Appendix D, contextual in ctx mode. The
+model's own forward runs unchanged; nothing of it is copied here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional
+
+import torch
+from torch import nn
+
+from ..attention import Attention
+from ..grid import TokenGrid
+from .metrics import REGIONS, impact, nonlocality, region_scores
+
+__all__ = ['AttentionMaps', 'LayerMeasures', 'attention_maps', 'collect_attention_maps', 'measure_attention']
+
+
+@dataclass
+class AttentionMaps:
+    """The maps of one layer on the grid positions, float32, each (B or 1, heads, P, P), P = H * W."""
+    grid: TokenGrid
+    content: torch.Tensor
+    mixed: torch.Tensor
+    position: Optional[torch.Tensor]
+
+
+def attention_maps(q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor], grid: TokenGrid) -> AttentionMaps:
+    """Φc, Φa and Φp (module docstring) from a layer's q, k (B, heads, N, d) and logits bias.
+
+    The softmax runs over all N keys, extra tokens included, as in the layer; the maps are then
+    cut to the grid's queries and keys.
+    """
+    q, k = q.float(), k.float()
+    logits = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    inner = slice(grid.num_prefix_tokens, None)
+    content = logits.softmax(-1)[..., inner, inner]
+    if bias is None:
+        return AttentionMaps(grid, content, content, None)
+    bias = bias.float()
+    mixed = (logits + bias).softmax(-1)[..., inner, inner]
+    return AttentionMaps(grid, content, mixed, bias[..., inner, inner].exp())
+
+
+def _attention_layers(model: nn.Module) -> Dict[str, Attention]:
+    layers = {name: module for name, module in model.named_modules() if isinstance(module, Attention)}
+    if not layers:
+        raise ValueError(f'{type(model).__name__} has no posattn.Attention layer to analyse; '
+                         'build it with posattn or swap its attention in (posattn.swap_attention)')
+    return layers
+
+
+class _Hooks:
+    """Calls ``record(layer_name, maps)`` for every layer of ``model`` while in a ``with`` block."""
+
+    def __init__(self, model: nn.Module, record):
+        self.layers = _attention_layers(model)
+        self.record = record
+        self.handles: List[torch.utils.hooks.RemovableHandle] = []
+
+    def __enter__(self) -> '_Hooks':
+        for name, layer in self.layers.items():
+            def hook(module, args, output, name=name):
+                self.record(name, attention_maps(*args))
+            self.handles.append(layer.logits_probe.register_forward_hook(hook))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _run_eval(model: nn.Module, images: torch.Tensor) -> None:
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(images)
+    finally:
+        model.train(was_training)
+
+
+def collect_attention_maps(model: nn.Module, images: torch.Tensor) -> Dict[str, AttentionMaps]:
+    """Φc, Φa, Φp of every posattn attention layer for one batch, in eval mode: {layer name: maps}.
+
+    Holds (B, heads, P, P) maps of every layer: for a few images. :func:`measure_attention` streams.
+    """
+    maps: Dict[str, AttentionMaps] = {}
+    with _Hooks(model, maps.__setitem__):
+        _run_eval(model, images)
+    return maps
+
+
+MEASURES = ('nonlocality_position', 'nonlocality_content', 'nonlocality_mixed', 'impact_position',
+            'impact_content', 'region_scores')
+
+
+class LayerMeasures:
+    """Per-head measures of one layer (Sec. 4.1), averaged over the samples added so far.
+
+    Attributes (each (heads,) float32, or None where the layer's Φp adds no logits bias):
+        nonlocality_position / _content / _mixed: Ω of Φp, Φc, Φa (Eq. 13).
+        impact_position / _content: Ψp, Ψc (Eq. 12).
+        region_scores: (heads, 4) the bracket of Eq. 11 per region; ``regions`` its argmax.
+    """
+
+    def __init__(self, name: str, grid: TokenGrid):
+        self.name, self.grid = name, grid
+        self.num_samples = 0
+        self._sums: Dict[str, torch.Tensor] = {}
+
+    def add(self, maps: AttentionMaps) -> None:
+        if maps.grid != self.grid:
+            raise ValueError(f'layer {self.name} saw a {maps.grid} after a {self.grid}: measure one '
+                             'input size at a time')
+        per_sample = {'nonlocality_content': nonlocality(maps.content, maps.grid),
+                      'nonlocality_mixed': nonlocality(maps.mixed, maps.grid),
+                      'impact_content': impact(maps.mixed, maps.content)}
+        if maps.position is not None:
+            position = maps.position.expand_as(maps.mixed)  # batch-free for peripheral
+            per_sample.update(nonlocality_position=nonlocality(position, maps.grid),
+                              impact_position=impact(maps.mixed, position),
+                              region_scores=region_scores(position, maps.grid))
+        for key, value in per_sample.items():
+            total = value.double().sum(0).cpu()
+            self._sums[key] = self._sums[key] + total if key in self._sums else total
+        self.num_samples += maps.content.shape[0]
+
+    def __getattr__(self, key: str) -> Optional[torch.Tensor]:
+        if key not in MEASURES:
+            raise AttributeError(key)
+        total = self.__dict__['_sums'].get(key)
+        return None if total is None else (total / self.num_samples).float()
+
+    @property
+    def regions(self) -> Optional[List[str]]:
+        """Each head's peripheral region (Eq. 11), a name from :data:`~posattn.analysis.metrics.REGIONS`."""
+        scores = self.region_scores
+        return None if scores is None else [REGIONS[i] for i in scores.argmax(-1).tolist()]
+
+    def to_dict(self) -> Dict[str, object]:
+        """JSON-ready: the layer, its grid, the sample count, every measure as lists, the regions."""
+        out: Dict[str, object] = {'layer': self.name, 'grid': [self.grid.height, self.grid.width],
+                                  'num_samples': self.num_samples}
+        for key in MEASURES:
+            value = getattr(self, key)
+            out[key] = None if value is None else value.tolist()
+        out['regions'] = self.regions
+        return out
+
+
+def measure_attention(model: nn.Module, batches: Iterable[torch.Tensor]) -> List[LayerMeasures]:
+    """Ω, Ψ and peripheral regions of every posattn attention layer, per head, averaged over all
+    images of ``batches`` (eval mode, no gradients); layers in the model's order.
+
+    Only the running sums are kept, so any number of images fits in memory.
+    """
+    measures: Dict[str, LayerMeasures] = {}
+
+    def record(name: str, maps: AttentionMaps) -> None:
+        if name not in measures:
+            measures[name] = LayerMeasures(name, maps.grid)
+        measures[name].add(maps)
+
+    hooks = _Hooks(model, record)
+    with hooks:
+        for images in batches:
+            _run_eval(model, images)
+    if not measures:
+        raise ValueError('no images to measure: the batches were empty')
+    return [measures[name] for name in hooks.layers if name in measures]

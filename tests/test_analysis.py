@@ -1,0 +1,166 @@
+"""posattn.analysis: PerViT's measures against float64 formulas written here, the maps against the
+layer's own computation, the release initialisation's locality trend, and the figures."""
+import itertools
+import math
+
+import pytest
+import timm
+import torch
+from einops import rearrange
+
+import posattn
+from posattn import Attention, TokenGrid
+from posattn.analysis import (REGIONS, attention_maps, collect_attention_maps, impact, measure_attention,
+                              nonlocality, plot_measures, plot_position_maps, plot_sample_attention,
+                              region_radii, region_scores)
+
+PNG_SIGNATURE = b'\x89PNG\r\n\x1a\n'
+
+
+def positions(grid):
+    return [(r, c) for r in range(grid.height) for c in range(grid.width)]
+
+
+def test_nonlocality_impact_and_regions_match_the_paper_formulas():
+    grid = TokenGrid(3, 5)
+    generator = torch.Generator().manual_seed(0)
+    maps = torch.rand(2, 3, 15, 15, generator=generator, dtype=torch.float64)
+    other = torch.rand(2, 3, 15, 15, generator=generator, dtype=torch.float64)
+    radii = [math.sqrt(15 * theta / (220 * math.pi)) for theta in (5, 40, 120, 220)]
+    bounds = list(zip([0.0] + radii[:-1], radii))
+    for b, h in itertools.product(range(2), range(3)):
+        omega, scores = 0.0, [0.0] * 4
+        for (i, p), (j, s) in itertools.product(enumerate(positions(grid)), repeat=2):
+            distance = math.dist(p, s)
+            omega += maps[b, h, i, j].item() * distance
+            for r, (low, high) in enumerate(bounds):
+                if low <= distance < high:
+                    scores[r] += maps[b, h, i, j].item()
+        assert nonlocality(maps, grid)[b, h].item() == pytest.approx(omega / 15 ** 2, rel=1e-12)
+        assert region_scores(maps, grid)[b, h].tolist() == pytest.approx([s / 15 ** 2 for s in scores], rel=1e-12)
+        frobenius = math.sqrt(sum((maps[b, h] - other[b, h]).flatten().square().tolist()))
+        assert impact(maps, other)[b, h].item() == pytest.approx(1 / frobenius, rel=1e-12)
+
+
+def test_region_radii_are_the_papers_on_14x14():
+    assert [round(r, 2) for r in region_radii(TokenGrid(14, 14))] == [1.19, 3.37, 5.83, 7.9]
+    assert REGIONS == ('central', 'para-central', 'mid-peripheral', 'far-peripheral')
+
+
+def test_measures_refuse_maps_of_another_grid():
+    with pytest.raises(ValueError, match=r'maps over a 3x4 grid should end in \(12, 12\), got shape \(2, 13, 13\)'):
+        nonlocality(torch.zeros(2, 13, 13), TokenGrid(3, 4))
+
+
+def layer_qkv(layer, x):
+    return rearrange(layer.qkv(x), 'b n (three h d) -> three b h n d', three=3, h=layer.num_heads).unbind(0)
+
+
+@pytest.mark.parametrize('prefix', [0, 1])
+def test_peripheral_maps_are_what_the_layer_computes(prefix):
+    torch.manual_seed(0)
+    grid = TokenGrid(4, 5, prefix)
+    layer = Attention(32, 4, phi='peripheral', num_prefix_tokens=prefix).double()
+    x = torch.randn(3, grid.num_tokens, 32, dtype=torch.float64)
+    (maps,) = collect_attention_maps(layer_model(layer, grid), x).values()
+    q, k, v = layer_qkv(layer, x)
+    phi = layer.phi.position_attention(4, 5)
+    bias = torch.zeros(4, grid.num_tokens, grid.num_tokens, dtype=torch.float64)
+    bias[:, prefix:, prefix:] = phi.log()
+    logits = q @ k.transpose(-2, -1) / math.sqrt(8)
+    cut = slice(prefix, None)
+    torch.testing.assert_close(maps.position[0], phi.float())
+    torch.testing.assert_close(maps.content, logits.softmax(-1)[..., cut, cut].float())
+    torch.testing.assert_close(maps.mixed, (logits + bias).softmax(-1)[..., cut, cut].float())
+    if not prefix:  # the layer's output is the mixed attention applied to v
+        out = layer.proj(rearrange(maps.mixed.double() @ v, 'b h n d -> b n (h d)'))
+        torch.testing.assert_close(out, layer(x, grid), rtol=1e-5, atol=1e-6)
+
+
+class layer_model(torch.nn.Module):
+    """One attention layer called with its grid, as a model."""
+
+    def __init__(self, layer, grid):
+        super().__init__()
+        self.layer, self.grid = layer, grid
+
+    def forward(self, x):
+        return self.layer(x, self.grid)
+
+
+def test_irpe_position_map_is_exp_of_its_bias_and_none_has_none():
+    torch.manual_seed(1)
+    grid = TokenGrid(3, 4, 1)
+    layer = Attention(32, 4, phi='irpe', phi_cfg=dict(method='product', mode='ctx', on='k'), num_prefix_tokens=1)
+    with torch.no_grad():
+        layer.phi.rpe_k.lookup_table_weight.normal_()
+    x = torch.randn(2, grid.num_tokens, 32)
+    (maps,) = collect_attention_maps(layer_model(layer, grid), x).values()
+    q, _, _ = layer_qkv(layer, x)
+    expected = layer.phi.term('k', q / math.sqrt(8), grid)[..., 1:, 1:].exp()
+    torch.testing.assert_close(maps.position, expected.detach())
+    plain = Attention(32, 4, phi='none')
+    (maps,) = collect_attention_maps(layer_model(plain, TokenGrid(3, 4)), torch.randn(2, 12, 32)).values()
+    assert maps.position is None and maps.mixed is maps.content
+
+
+def test_measures_stream_over_batches_and_restore_training_mode():
+    torch.manual_seed(2)
+    model = posattn.create_model('vit_tiny', phi='peripheral', img_size=64, depth=2, num_classes=0)
+    images = torch.randn(6, 3, 64, 64)
+    model.train()
+    streamed = measure_attention(model, [images[:2], images[2:]])
+    whole = measure_attention(model, [images])
+    assert model.training
+    assert [m.name for m in streamed] == ['blocks.0.attn', 'blocks.1.attn']
+    for a, b in zip(streamed, whole):
+        assert a.num_samples == b.num_samples == 6
+        for key in ('nonlocality_position', 'nonlocality_content', 'nonlocality_mixed', 'impact_position',
+                    'impact_content', 'region_scores'):
+            torch.testing.assert_close(getattr(a, key), getattr(b, key))
+    record = whole[0].to_dict()
+    assert record['grid'] == [4, 4] and len(record['impact_position']) == 3 and len(record['regions']) == 3
+    with pytest.raises(ValueError, match=r'layer blocks.0.attn saw a 2x2 grid .* after a 4x4 grid'):
+        measure_attention(model, [images, torch.randn(1, 3, 32, 32)])
+
+
+def test_release_initialisation_gets_less_local_with_depth():
+    """s_l rises from -5 to 4 over the layers: Ω of Φp rises with depth, regions move outwards."""
+    torch.manual_seed(3)
+    model = posattn.create_model('pervit_tiny', num_classes=0)
+    measures = measure_attention(model, [torch.randn(2, 3, 224, 224)])
+    omega = torch.stack([m.nonlocality_position.mean() for m in measures])
+    assert torch.all(omega[1:] > omega[:-1])
+    assert measures[0].regions == ['para-central'] * 4 and measures[-1].regions == ['mid-peripheral'] * 4
+
+
+def test_swapped_timm_model_is_analysed_and_plain_models_are_refused():
+    model = timm.create_model('vit_tiny_patch16_224', pretrained=False, img_size=32, patch_size=8, depth=2)
+    posattn.swap_attention(model, phi='peripheral')
+    maps = collect_attention_maps(model, torch.randn(1, 3, 32, 32))
+    assert list(maps) == ['blocks.0.attn', 'blocks.1.attn'] and maps['blocks.0.attn'].mixed.shape == (1, 3, 16, 16)
+    with pytest.raises(ValueError, match='Linear has no posattn.Attention layer to analyse'):
+        measure_attention(torch.nn.Linear(2, 2), [torch.zeros(1, 2)])
+
+
+def assert_png(path):
+    assert path.read_bytes()[:8] == PNG_SIGNATURE and path.stat().st_size > 2000
+
+
+def test_figures_are_written(tmp_path):
+    torch.manual_seed(4)
+    model = posattn.create_model('pervit_tiny', num_classes=0)
+    images = torch.randn(2, 3, 96, 80)
+    maps = collect_attention_maps(model, images)
+    plot_position_maps(maps, tmp_path / 'position.png', query=(1, 2))
+    plot_sample_attention(images, maps, tmp_path / 'samples.png', layers=['blocks.3.attn'])
+    plot_measures(measure_attention(model, [images]), tmp_path / 'measures.png')
+    for name in ('position.png', 'samples.png', 'measures.png'):
+        assert_png(tmp_path / name)
+    with pytest.raises(ValueError, match=r'query \(6, 0\) is outside the 6x5 grid'):
+        plot_position_maps(maps, tmp_path / 'x.png', query=(6, 0))
+    with pytest.raises(ValueError, match=r"no maps for layers \['blocks.12.attn'\]"):
+        plot_sample_attention(images, maps, tmp_path / 'x.png', layers=['blocks.12.attn'])
+    plain = posattn.create_model('vit_tiny', phi='none', img_size=32, depth=1)
+    with pytest.raises(ValueError, match='no layer has a position attention Φp'):
+        plot_position_maps(collect_attention_maps(plain, torch.randn(1, 3, 32, 32)), tmp_path / 'x.png')

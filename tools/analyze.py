@@ -1,0 +1,123 @@
+"""What a classifier's attention learned: PerViT's measures and figures for a config and checkpoint.
+
+    python tools/analyze.py configs/pervit_t_shapes.py work_dirs/pervit_t_shapes/epoch_10.pth --out analysis/
+
+Runs the config's validation images through the model (eval mode, no gradients) and writes to
+``--out``: ``metrics.json`` (per layer and head: nonlocality Ω of Φp, Φc, Φa; impact Ψp, Ψc;
+peripheral regions; see docs/analysis.md), ``position.png`` (Φp of the centre query, Fig. 4 of
+the paper), ``samples.png`` (Φp, Φc, Φa on a few images, Fig. 6) and ``measures.png`` (Figs. 7, 8).
+
+The checkpoint may be one that tools/train.py wrote, or backbone weights in posattn's or the
+PerViT release's layout (loaded as the backbone's ``Pretrained`` init, classifier left out);
+without one, the initialised model is analysed.
+"""
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+from _common import REPO_ROOT  # noqa: F401  (repository root on sys.path, registrations)
+import torch
+from mmengine.config import Config, DictAction
+from mmengine.registry import init_default_scope
+from mmengine.runner import CheckpointLoader, Runner
+from mmengine.utils import ProgressBar
+
+from posattn.analysis import (collect_attention_maps, measure_attention, plot_measures, plot_position_maps,
+                              plot_sample_attention)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description='Analyse the attention of a classifier (PerViT Sec. 4.1)')
+    parser.add_argument('config', help='config file')
+    parser.add_argument('checkpoint', nargs='?', help='checkpoint (default: the initialised model)')
+    parser.add_argument('--out', help='output folder (default: work_dirs/<config name>/analysis)')
+    parser.add_argument('--num-images', type=int, default=256, help='validation images to average over')
+    parser.add_argument('--show-images', type=int, default=3, help='images in samples.png')
+    parser.add_argument('--query', type=int, nargs=2, metavar=('ROW', 'COL'),
+                        help='query position on the token grid for the maps (default: the centre)')
+    parser.add_argument('--cfg-options', nargs='+', action=DictAction, help='override config entries, key=value')
+    return parser.parse_args(argv)
+
+
+def build_model(cfg: Config, checkpoint):
+    """The config's classifier in eval mode, with the checkpoint's weights when one is given."""
+    from mmpretrain.registry import MODELS
+    model_cfg = cfg.model.copy()
+    if cfg.get('data_preprocessor') is not None:  # as mmengine's Runner does: the config's normalisation
+        model_cfg.setdefault('data_preprocessor', cfg.data_preprocessor)
+    model = MODELS.build(model_cfg)
+    if checkpoint is None:
+        model.init_weights()
+        return model.eval()
+    loaded = CheckpointLoader.load_checkpoint(checkpoint, map_location='cpu')
+    if isinstance(loaded, dict) and 'state_dict' in loaded:  # written by tools/train.py (mmengine)
+        model.load_state_dict(loaded['state_dict'], strict=True)
+    else:  # backbone weights, posattn or release layout
+        model.init_weights()
+        model.backbone.init_cfg = dict(type='Pretrained', checkpoint=checkpoint)
+        model.backbone.init_weights()
+    return model.eval()
+
+
+def validation_images(cfg: Config, model, limit: int):
+    """Batches of preprocessed validation images, ``limit`` images in all."""
+    loader = Runner.build_dataloader(cfg.val_dataloader)
+    seen = 0
+    for batch in loader:
+        if seen >= limit:
+            return
+        inputs = model.data_preprocessor(batch, False)['inputs'][:limit - seen]
+        seen += len(inputs)
+        yield inputs
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cfg = Config.fromfile(args.config)
+    if args.cfg_options:
+        cfg.merge_from_dict(args.cfg_options)
+    init_default_scope(cfg.get('default_scope', 'mmpretrain'))
+    out = Path(args.out or Path(cfg.get('work_dir') or Path('work_dirs') / Path(args.config).stem) / 'analysis')
+    out.mkdir(parents=True, exist_ok=True)
+    model = build_model(cfg, args.checkpoint)
+    backbone = model.backbone
+
+    progress = ProgressBar(args.num_images)
+
+    def counted(batches):
+        for images in batches:
+            yield images
+            progress.update(len(images))
+
+    batches = validation_images(cfg, model, args.num_images)
+    first = next(batches)
+    measures = measure_attention(backbone, counted(itertools.chain([first], batches)))
+    shown = first[:args.show_images]
+    maps = collect_attention_maps(backbone, shown)
+    query = tuple(args.query) if args.query else None
+
+    record = {'config': args.config, 'checkpoint': args.checkpoint, 'num_images': measures[0].num_samples,
+              'layers': [m.to_dict() for m in measures]}
+    (out / 'metrics.json').write_text(json.dumps(record, indent=1))
+    figures = []
+    if any(m.position is not None for m in maps.values()):
+        plot_position_maps(maps, out / 'position.png', query=query)
+        figures.append('position.png')
+    plot_sample_attention(shown, maps, out / 'samples.png', query=query)
+    plot_measures(measures, out / 'measures.png')
+    figures += ['samples.png', 'measures.png']
+
+    print(f'\nmeans over heads; {measures[0].num_samples} images, grid {measures[0].grid.height}x{measures[0].grid.width}')
+    width = max(len(m.name) for m in measures) + 2
+    print(f'{"layer":<{width}}{"Ω Φp":>10}{"Ω Φa":>10}{"Ψ Φp":>10}{"Ψ Φc":>10}  regions')
+    for m in measures:
+        cells = [m.nonlocality_position, m.nonlocality_mixed, m.impact_position, m.impact_content]
+        text = ''.join(f'{"-" if c is None else format(c.mean().item(), ".3g"):>10}' for c in cells)
+        print(f'{m.name:<{width}}{text}  {", ".join(m.regions) if m.regions else "-"}')
+    print(f'wrote {out / "metrics.json"} and {", ".join(figures)}')
+
+
+if __name__ == '__main__':
+    with torch.no_grad():
+        main()

@@ -1,0 +1,182 @@
+"""PerViT Table 2 on the embedded set: the same ViT-Tiny with each Φp, and PerViT-T, one budget.
+
+    python tools/compare_phis.py                       # 5 rows x seed 0, 10 epochs each
+    python tools/compare_phis.py --epochs 3 --seeds 0 1 --rows deit_t_none pervit_t
+
+Every row is a ``configs/<row>_shapes.py`` config trained by ``tools/train.py`` (one process per
+run, its log under the work dir) with the data, recipe and schedule of ``configs/_base_/shapes.py``:
+only the model differs. ``--epochs`` shortens every run alike (the cosine schedule ends with it);
+each seed sets mmengine's ``randomness.seed`` (initialisation and shuffling; the data is the same).
+
+Writes to the work dir: ``comparison.json`` (every run: validation top-1 per epoch, parameters,
+mean training step time), ``comparison.md`` (the table: mean over seeds) and ``comparison.png``
+(validation top-1 per epoch, and final top-1 against step time).
+"""
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _common import REPO_ROOT
+from mmengine.config import Config, DictAction
+from mmengine.registry import init_default_scope
+
+ROWS = {  # config stem -> what the row is (PerViT Table 2)
+    'deit_t_none': 'DeiT-T (abs. embedding)',
+    'deit_t_peg': 'DeiT-T + CPVT (PEG)',
+    'deit_t_irpe': 'DeiT-T + iRPE-K',
+    'deit_t_peripheral': 'DeiT-T + PPE (peripheral)',
+    'pervit_t': 'PerViT-T',
+}
+SKIPPED_LOGGED_WINDOWS = 1  # the first logged window of each run holds warm-up (allocation, first batches)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Train PerViT Table 2's rows on the embedded set with one budget")
+    parser.add_argument('--rows', nargs='+', choices=list(ROWS), default=list(ROWS), help='rows to train')
+    parser.add_argument('--seeds', nargs='+', type=int, default=[0], help='one run per row and seed')
+    parser.add_argument('--epochs', type=int, help='epochs per run (default: the configs\', 10)')
+    parser.add_argument('--work-dir', default='work_dirs/compare_phis', help='runs, table and plot go here')
+    parser.add_argument('--cfg-options', nargs='+', action=DictAction, default={},
+                        help='further overrides, the same for every run (e.g. train_dataloader.dataset.num_images=600)')
+    args = parser.parse_args(argv)
+    if args.epochs is not None and args.epochs < 2:
+        parser.error(f'--epochs must be >= 2 (one warm-up epoch, then the cosine decay), got {args.epochs}')
+    return args
+
+
+def config_path(row: str) -> Path:
+    return REPO_ROOT / 'configs' / f'{row}_shapes.py'
+
+
+def overrides(args, seed: int) -> list:
+    """``--cfg-options`` for one run: the seed, the budget, and the user's extra overrides."""
+    options = dict(args.cfg_options, **{'randomness.seed': seed})
+    if args.epochs is not None:
+        options.update({'train_cfg.max_epochs': args.epochs, 'param_scheduler.1.end': args.epochs})
+    return [f'{key}={value}' for key, value in options.items()]
+
+
+def count_parameters(row: str, args) -> int:
+    from mmpretrain.registry import MODELS
+    cfg = Config.fromfile(config_path(row))
+    cfg.merge_from_dict(args.cfg_options)
+    init_default_scope(cfg.default_scope)
+    return sum(p.numel() for p in MODELS.build(cfg.model).parameters())
+
+
+def train(row: str, seed: int, work_dir: Path, args) -> float:
+    """Runs tools/train.py, echoing each validation line; returns the wall time in seconds."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, str(REPO_ROOT / 'tools' / 'train.py'), str(config_path(row)),
+               '--work-dir', str(work_dir), '--cfg-options', *overrides(args, seed)]
+    start = time.perf_counter()
+    with open(work_dir / 'train.log', 'w') as log:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
+        for line in process.stdout:
+            log.write(line)
+            if 'Epoch(val)' in line and 'accuracy/top1' in line:
+                print('    ' + line.split(' - ')[-1].strip(), flush=True)
+    if process.wait() != 0:
+        tail = ''.join((work_dir / 'train.log').read_text().splitlines(keepends=True)[-30:])
+        raise RuntimeError(f'{row} (seed {seed}) failed; {work_dir / "train.log"} ends with:\n{tail}')
+    return time.perf_counter() - start
+
+
+def read_run(work_dir: Path) -> dict:
+    """Validation top-1 per epoch and mean step time, from the run's mmengine scalars."""
+    logs = sorted(work_dir.glob('*/vis_data/scalars.json'))
+    if not logs:
+        raise FileNotFoundError(f'no mmengine scalars under {work_dir}')
+    rows = [json.loads(line) for line in logs[-1].read_text().splitlines()]
+    accuracy = [row['accuracy/top1'] for row in rows if 'accuracy/top1' in row]
+    step_times = [row['time'] for row in rows if 'loss' in row][SKIPPED_LOGGED_WINDOWS:]
+    if not accuracy or not step_times:
+        raise ValueError(f'{logs[-1]} has no validation or too few logged iterations to time')
+    return dict(top1_per_epoch=accuracy, step_time_s=statistics.fmean(step_times))
+
+
+def summarise(runs: list) -> list:
+    """One line per row: means (and spread) over its seeds."""
+    table = []
+    for row in dict.fromkeys(run['row'] for run in runs):
+        mine = [run for run in runs if run['row'] == row]
+        finals = [run['top1_per_epoch'][-1] for run in mine]
+        table.append(dict(
+            row=row, model=ROWS[row], seeds=[run['seed'] for run in mine],
+            top1=statistics.fmean(finals), top1_spread=(max(finals) - min(finals)) if len(finals) > 1 else None,
+            best_top1=statistics.fmean(max(run['top1_per_epoch']) for run in mine),
+            params_m=mine[0]['params'] / 1e6, step_time_ms=1e3 * statistics.fmean(run['step_time_s'] for run in mine),
+            wall_min=statistics.fmean(run['wall_s'] for run in mine) / 60,
+        ))
+    return table
+
+
+def markdown(table: list, epochs: int) -> str:
+    lines = [f'| model | config | params (M) | val top-1 after {epochs} epochs (%) | best epoch top-1 (%) '
+             '| step time (ms) | run time (min) |', '|---|---|---|---|---|---|---|']
+    for line in table:
+        spread = f' (range {line["top1_spread"]:.1f}, {len(line["seeds"])} seeds)' if line['top1_spread'] is not None else ''
+        lines.append(f'| {line["model"]} | `{line["row"]}_shapes.py` | {line["params_m"]:.2f} | {line["top1"]:.1f}{spread} '
+                     f'| {line["best_top1"]:.1f} | {line["step_time_ms"]:.0f} | {line["wall_min"]:.1f} |')
+    return '\n'.join(lines) + '\n'
+
+
+def plot(runs: list, table: list, path: Path) -> None:
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    fig, (curves, scatter) = plt.subplots(1, 2, figsize=(10, 3.8))
+    colours = {row: f'C{i}' for i, row in enumerate(ROWS)}
+    labelled = set()
+    for run in runs:  # one curve per run, one legend entry per row
+        epochs = range(1, len(run['top1_per_epoch']) + 1)
+        label = None if run['row'] in labelled else ROWS[run['row']]
+        labelled.add(run['row'])
+        curves.plot(epochs, run['top1_per_epoch'], color=colours[run['row']], marker='.', label=label)
+    curves.axhline(100 / 6, color='grey', linestyle=':', linewidth=1, label='chance')
+    curves.set(xlabel='epoch', ylabel='validation top-1 (%)', title='PositionalShapes, one budget')
+    curves.legend(fontsize=7)
+    for line in table:
+        scatter.scatter(line['step_time_ms'], line['top1'], color=colours[line['row']], s=40)
+        scatter.annotate(f'{line["model"]}\n{line["params_m"]:.1f} M', (line['step_time_ms'], line['top1']),
+                         fontsize=7, xytext=(4, 4), textcoords='offset points')
+    scatter.set(xlabel='training step time (ms, batch 64, CPU)', ylabel='final validation top-1 (%)',
+                title='accuracy vs. cost')
+    scatter.margins(0.25)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    work_dir = Path(args.work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    plan = [(row, seed) for row in args.rows for seed in args.seeds]
+    runs = []
+    for index, (row, seed) in enumerate(plan, 1):
+        run_dir = work_dir / row / f'seed{seed}'
+        print(f'[{index}/{len(plan)}] {ROWS[row]} ({row}_shapes.py), seed {seed}: log {run_dir / "train.log"}', flush=True)
+        wall = train(row, seed, run_dir, args)
+        run = dict(row=row, seed=seed, params=count_parameters(row, args), wall_s=wall, **read_run(run_dir))
+        runs.append(run)
+        print(f'    top-1 {run["top1_per_epoch"][-1]:.1f}% after {len(run["top1_per_epoch"])} epochs, '
+              f'{1e3 * run["step_time_s"]:.0f} ms/step, {wall / 60:.1f} min', flush=True)
+
+    epochs = len(runs[0]['top1_per_epoch'])
+    table = summarise(runs)
+    command = 'python tools/compare_phis.py ' + ' '.join(sys.argv[1:] if argv is None else argv)
+    (work_dir / 'comparison.json').write_text(json.dumps(dict(command=command.strip(), runs=runs, table=table), indent=1))
+    (work_dir / 'comparison.md').write_text(markdown(table, epochs))
+    plot(runs, table, work_dir / 'comparison.png')
+    print('\n' + markdown(table, epochs))
+    print(f'wrote {work_dir / "comparison.md"}, comparison.json and comparison.png')
+
+
+if __name__ == '__main__':
+    main()
