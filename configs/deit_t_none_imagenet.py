@@ -2,22 +2,16 @@
 # (Φp = none) and a learned absolute position embedding; DeiT's recipe (wd 0.05, warmup 5,
 # stochastic depth 0.1), class-token head. Reported top-1: 72.2.
 _base_ = [
+    './_base_/classifier.py',
     './_base_/imagenet_deit.py',
     './_base_/schedule_deit_adamw.py',
     './_base_/default_runtime.py',
 ]
 model = dict(
-    type='ImageClassifier',
     backbone=dict(type='PosattnViT', arch='tiny', img_size=224, out_type='cls_token', drop_path_rate=0.1,
                   phi='none'),
     neck=None,
-    head=dict(
-        type='LinearClsHead',
-        num_classes=1000,
-        in_channels=192,
-        loss=dict(type='LabelSmoothLoss', label_smooth_val=0.1, mode='original'),
-        init_cfg=dict(type='TruncNormal', layer='Linear', std=0.02),
-    ),
+    head=dict(num_classes=1000, in_channels=192),
     train_cfg=dict(augments=[dict(type='Mixup', alpha=0.8), dict(type='CutMix', alpha=1.0)]),
 )
 optim_wrapper = dict(

@@ -1,16 +1,9 @@
 # The embedded default: PerViT-T on PositionalShapes (configs/_base_/shapes.py), 10 epochs, about
 # 10 minutes on 2 CPU cores. At 64 x 64 the token grid is 4 x 4.
-_base_ = ['./_base_/shapes.py']
+_base_ = ['./_base_/classifier.py', './_base_/shapes.py']
 
 model = dict(
-    type='ImageClassifier',
     backbone=dict(type='PosattnPerViT', arch='tiny', out_indices=-1),
     neck=dict(type='GlobalAveragePooling'),
-    head=dict(
-        type='LinearClsHead',
-        num_classes={{_base_.num_classes}},
-        in_channels=280,
-        loss=dict(type='LabelSmoothLoss', label_smooth_val=0.1, mode='original'),
-        init_cfg=dict(type='TruncNormal', layer='Linear', std=0.02),
-    ),
+    head=dict(num_classes={{_base_.num_classes}}, in_channels=280),
 )

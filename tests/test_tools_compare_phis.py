@@ -36,3 +36,10 @@ def test_compare_phis_trains_each_row_and_seed_and_tabulates(tmp_path):
     assert '| PerViT-T | `pervit_t_shapes.py` |' in table and '2 seeds' in table
     assert (tmp_path / 'comparison.png').read_bytes()[:4] == b'\x89PNG'
     assert 'val top-1 after 2 epochs' in result.stdout
+
+    # the same settings again: the finished run is reused, not trained again
+    again = subprocess.run(command[:3] + ['pervit_t'] + command[5:], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count('reusing') == 2 and 'Epoch(val)' not in again.stdout
+    assert json.loads((tmp_path / 'comparison.json').read_text())['runs'] == record['runs'][2:]

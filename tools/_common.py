@@ -1,6 +1,8 @@
 """What tools/train.py and tools/test.py share: the repository root on ``sys.path`` (so they run
 from a clone without installing; ``integrations`` is not part of the installed ``posattn``), and
 the config handling common to both."""
+import argparse
+import os
 import os.path as osp
 import sys
 from pathlib import Path
@@ -10,9 +12,26 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
-from mmengine.config import Config  # noqa: E402
+from mmengine.config import Config, DictAction  # noqa: E402
 
 import integrations.openmmlab  # noqa: E402,F401  (registrations, weights-only checkpoint loader)
+
+
+def add_runner_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments tools/train.py and tools/test.py share, as OpenMMLab's tools name them."""
+    parser.add_argument('--work-dir', help='where logs (and checkpoints) go (default: work_dirs/<config name>)')
+    parser.add_argument('--amp', action='store_true', help='automatic mixed precision')
+    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+                        help='override config entries, key=value (e.g. train_cfg.max_epochs=1)')
+    parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'], default='none',
+                        help='job launcher; torchrun needs pytorch')
+    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
+
+
+def parse_runner_arguments(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    args = parser.parse_args(argv)
+    os.environ.setdefault('LOCAL_RANK', str(args.local_rank))
+    return args
 
 
 def load_config(args) -> Config:

@@ -5,10 +5,9 @@ torchrun (``--launcher pytorch``). Prints the metrics, and writes them as JSON w
 """
 import argparse
 import json
-import os
 
-from _common import load_config
-from mmengine.config import Config, DictAction
+from _common import add_runner_arguments, load_config, parse_runner_arguments
+from mmengine.config import Config
 from mmengine.dist import is_main_process
 from mmengine.runner import Runner
 
@@ -17,17 +16,9 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description='Evaluate a checkpoint with mmengine')
     parser.add_argument('config', help='config file')
     parser.add_argument('checkpoint', help='checkpoint file')
-    parser.add_argument('--work-dir', help='where the logs go (default: work_dirs/<config name>)')
     parser.add_argument('--out', help='write the metrics to this JSON file')
-    parser.add_argument('--amp', action='store_true', help='automatic mixed precision')
-    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
-                        help='override config entries, key=value (e.g. test_dataloader.batch_size=32)')
-    parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'], default='none',
-                        help='job launcher; torchrun needs pytorch')
-    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
-    args = parser.parse_args(argv)
-    os.environ.setdefault('LOCAL_RANK', str(args.local_rank))
-    return args
+    add_runner_arguments(parser)
+    return parse_runner_arguments(parser, argv)
 
 
 def build_config(args) -> Config:

@@ -5,10 +5,9 @@ The arguments of OpenMMLab's ``tools/train.py``; multi-GPU and multi-node throug
 where the checkpoints are, and the tools/analyze.py command for the checkpoint.
 """
 import argparse
-import os
 
-from _common import load_config
-from mmengine.config import Config, DictAction
+from _common import add_runner_arguments, load_config, parse_runner_arguments
+from mmengine.config import Config
 from mmengine.dist import is_main_process
 from mmengine.hooks import Hook
 from mmengine.runner import Runner
@@ -17,21 +16,13 @@ from mmengine.runner import Runner
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description='Train a model with mmengine')
     parser.add_argument('config', help='config file')
-    parser.add_argument('--work-dir', help='where logs and checkpoints go (default: work_dirs/<config name>)')
     parser.add_argument('--resume', nargs='?', type=str, const='auto',
                         help='resume from a checkpoint; without a path, from the latest in the work dir')
-    parser.add_argument('--amp', action='store_true', help='automatic mixed precision')
     parser.add_argument('--no-validate', action='store_true', help='skip validation during training')
     parser.add_argument('--auto-scale-lr', action='store_true',
                         help="scale the lr from the config's auto_scale_lr.base_batch_size to the batch used")
-    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
-                        help='override config entries, key=value (e.g. train_cfg.max_epochs=1)')
-    parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'], default='none',
-                        help='job launcher; torchrun needs pytorch')
-    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
-    args = parser.parse_args(argv)
-    os.environ.setdefault('LOCAL_RANK', str(args.local_rank))
-    return args
+    add_runner_arguments(parser)
+    return parse_runner_arguments(parser, argv)
 
 
 def build_config(args) -> Config:
