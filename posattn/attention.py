@@ -18,11 +18,14 @@ class LogitsProbe(nn.Module):
     """Where the layer's attention logits can be observed: called with (q, k, bias, grid), computes nothing.
 
     ``q``, ``k``: (B, heads, N, head_dim), unscaled; ``bias``: Φp's logits bias or None; ``grid``:
-    the :class:`TokenGrid` of the N tokens. A forward hook on it sees exactly what the layer's
-    softmax uses, whatever called the layer (``posattn.analysis`` reads attention maps this way).
+    the :class:`TokenGrid` of the N tokens; ``key_mask``: the layer's key mask or None, passed by
+    keyword (a hook registered ``with_kwargs=True`` sees it). A forward hook on it sees exactly what
+    the layer's softmax uses, whatever called the layer (``posattn.analysis`` reads attention maps
+    this way).
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor], grid: TokenGrid) -> None:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor], grid: TokenGrid,
+                key_mask: Optional[torch.Tensor] = None) -> None:
         return None
 
 
@@ -72,8 +75,12 @@ class Attention(nn.Module):
         self.proj_drop = nn.Dropout(proj_drop)
         self.logits_probe = LogitsProbe()
 
-    def forward(self, x: torch.Tensor, hw: GridLike) -> torch.Tensor:
-        """x: (B, N, C) with N = num_prefix_tokens + H * W; hw: (H, W) or a TokenGrid."""
+    def forward(self, x: torch.Tensor, hw: GridLike, key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x: (B, N, C) with N = num_prefix_tokens + H * W; hw: (H, W) or a TokenGrid.
+
+        ``key_mask``: None, or a bool (B, N) that is False for keys no query may attend to (padding
+        tokens of windowed attention); each sequence keeps at least one key.
+        """
         grid = TokenGrid.of(hw, self.num_prefix_tokens)
         if x.dim() != 3:
             raise ValueError(f'expected tokens (B, N, C), got shape {tuple(x.shape)}')
@@ -82,15 +89,15 @@ class Attention(nn.Module):
         q, k, v = rearrange(self.qkv(x), 'b n (three h d) -> three b h n d',
                             three=3, h=self.num_heads).unbind(0)
         bias = self.phi.logits_bias(q, k, grid)
-        self.logits_probe(q, k, bias, grid)
+        self.logits_probe(q, k, bias, grid, key_mask=key_mask)
         if self.phi.uses_attention_probs or (self.training and self.attn_drop.p > 0):
-            attn = self.attn_drop(attention_probs(q, k, bias))
+            attn = self.attn_drop(attention_probs(q, k, bias, key_mask))
             out = attn @ v
             value_term = self.phi.value_term(attn, grid)
             if value_term is not None:
                 out = out + value_term
         else:
-            out = biased_attention(q, k, v, bias)
+            out = biased_attention(q, k, v, bias, key_mask)
         return self.proj_drop(self.proj(rearrange(out, 'b h n d -> b n (h d)')))
 
     def extra_repr(self) -> str:

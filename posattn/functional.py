@@ -7,6 +7,9 @@ several times (pervit spec: 444 ms / 247 MB against 173 ms / 17 MB without a mas
 backward, recomputing the probabilities in tiles of (batch, head, query rows), so memory stays
 at one tile whatever B * heads * N^2 is, and the gradient of a batch-free (1, heads, N, N) bias is
 summed over the batch as it is produced.
+
+Both kernels take an optional boolean ``key_mask`` (B, N): keys marked False get logit -inf, so
+zero weight, exactly (padding of windowed attention, :mod:`posattn.window`).
 """
 from __future__ import annotations
 
@@ -23,36 +26,57 @@ _BLOCK_ELEMENTS = 1 << 20
 _TILE_ROWS = 256
 
 
-def attention_probs(q: torch.Tensor, k: torch.Tensor,
-                    bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + bias) over keys, materialised: (B, heads, N, N)."""
+def _key_mask_logits(key_mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """A boolean key mask (B, N), True = attend, as an additive logits term (B, 1, 1, N): 0 or -inf.
+
+    Each sequence must keep at least one key, or its softmax rows are NaN (not checked here:
+    that would synchronise a GPU on every call).
+    """
+    batch, _, tokens, _ = q.shape
+    if key_mask.dtype != torch.bool or tuple(key_mask.shape) != (batch, tokens):
+        raise ValueError(f'key_mask must be a bool tensor of shape (B, N) = ({batch}, {tokens}), '
+                         f'got {key_mask.dtype} of shape {tuple(key_mask.shape)}')
+    additive = torch.zeros(key_mask.shape, dtype=q.dtype, device=q.device)
+    return additive.masked_fill_(~key_mask.to(q.device), float('-inf'))[:, None, None, :]
+
+
+def attention_probs(q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                    key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + bias) over the keys ``key_mask`` keeps, materialised: (B, heads, N, N)."""
     logits = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
     if bias is not None:
         logits = logits + bias
+    if key_mask is not None:
+        logits = logits + _key_mask_logits(key_mask, q)
     return logits.softmax(dim=-1)
 
 
 def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Scaled dot-product attention with an additive logits bias.
+                     bias: Optional[torch.Tensor] = None,
+                     key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Scaled dot-product attention with an additive logits bias and an optional key mask.
 
     Args:
         q, k, v: (B, heads, N, d).
         bias: None or a tensor broadcastable to (B, heads, N, N) in q's dtype, e.g. a batch-free
             (1, heads, N, N) positional bias. It may require grad.
+        key_mask: None or a bool (B, N), False for keys that get no weight (logit -inf); each
+            sequence keeps at least one key. The CPU backward adds it per tile, so a batch-free
+            bias keeps its (1, heads, N, N) gradient.
 
     Returns:
-        (B, heads, N, d) = softmax(q k^T / sqrt(d) + bias) v.
+        (B, heads, N, d) = softmax(q k^T / sqrt(d) + bias + mask) v.
     """
+    mask = None if key_mask is None else _key_mask_logits(key_mask, q)
     if bias is None:
-        return F.scaled_dot_product_attention(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     if bias.dim() > 4:
         raise ValueError(f'bias must have at most 4 dims (B, heads, N, N), got shape {tuple(bias.shape)}')
     bias = bias.to(q.dtype).reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
     if bias.requires_grad and q.device.type == 'cpu' and torch.is_grad_enabled():
-        return _BiasedAttention.apply(q, k, v, bias)
+        return _BiasedAttention.apply(q, k, v, bias, mask)
     # CUDA: SDPA's memory-efficient backend takes an additive bias and returns its gradient.
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias if mask is None else bias + mask)
 
 
 def _tiles(batch: int, heads: int, tokens: int) -> Iterator[Tuple[slice, slice, slice]]:
@@ -86,18 +110,20 @@ class _BiasedAttention(torch.autograd.Function):
     With P = softmax(S), S = q k^T / sqrt(d) + bias and upstream gradient dO:
         dV = P^T dO,   dP = dO V^T,   dS = P * (dP - rowsum(dO * O)),
         dQ = dS K / sqrt(d),   dK = dS^T Q / sqrt(d),   dbias = dS summed over broadcast dims.
+    ``mask``: None or a constant (B, 1, 1, N) term (:func:`_key_mask_logits`) added to S.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, bias):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.detach())
-        ctx.save_for_backward(q, k, v, bias, out)
+    def forward(ctx, q, k, v, bias, mask):
+        logits_term = bias.detach() if mask is None else bias.detach() + mask
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=logits_term)
+        ctx.save_for_backward(q, k, v, bias, mask, out)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, bias, out = ctx.saved_tensors
-        need_q, need_k, need_v, need_bias = ctx.needs_input_grad
+        q, k, v, bias, mask, out = ctx.saved_tensors
+        need_q, need_k, need_v, need_bias, _ = ctx.needs_input_grad
         batch, heads, tokens, head_dim = q.shape
         scale = head_dim ** -0.5
         grad_out = grad_out.contiguous()
@@ -110,7 +136,11 @@ class _BiasedAttention(torch.autograd.Function):
         for bs, hs, rs in _tiles(batch, heads, tokens):
             qb, kb, vb, gob = scaled_q[bs, hs, rs], k[bs, hs], v[bs, hs], grad_out[bs, hs, rs]
             bias_index = _bias_slice(bias, bs, hs, rs)
-            probs = (qb @ kb.transpose(-2, -1)).add_(bias[bias_index]).softmax(dim=-1)
+            logits = (qb @ kb.transpose(-2, -1)).add_(bias[bias_index])
+            if mask is not None:
+                logits.add_(mask[bs])
+            probs = logits.softmax(dim=-1)
+            del logits  # one tile of logits alive at a time
             if need_v:
                 grad_v[bs, hs] += probs.transpose(-2, -1) @ gob
             grad_logits = gob @ vb.transpose(-2, -1)  # dP
@@ -122,4 +152,4 @@ class _BiasedAttention(torch.autograd.Function):
                 grad_q[bs, hs, rs] = (grad_logits @ kb).mul_(scale)
             if need_k:
                 grad_k[bs, hs] += grad_logits.transpose(-2, -1) @ qb
-        return grad_q, grad_k, grad_v, grad_bias
+        return grad_q, grad_k, grad_v, grad_bias, None

@@ -5,6 +5,7 @@ config (or importing it in a script) does three things:
 
 * registers the backbones ``PosattnPerViT`` and ``PosattnViT`` in mmengine's root ``MODELS``
   (:mod:`.backbones`), visible from every toolbox's registry;
+* registers the neck ``PosattnSimpleFPN`` (ViTDet's simple feature pyramid) there too (:mod:`.necks`);
 * registers the datasets ``PositionalShapes`` (the embedded set) and ``CheckedImageNet`` in
   mmpretrain's ``DATASETS`` (:mod:`.datasets`);
 * makes mmengine load local checkpoints weights-only with an allow-list of its own types, so
@@ -13,7 +14,9 @@ config (or importing it in a script) does three things:
 from .backbones import PosattnPerViT, PosattnViT
 from .checkpoint import register_checkpoint_loader
 from .datasets import CheckedImageNet, PositionalShapes
+from .necks import PosattnSimpleFPN
 
 register_checkpoint_loader()
 
-__all__ = ['PosattnPerViT', 'PosattnViT', 'PositionalShapes', 'CheckedImageNet', 'register_checkpoint_loader']
+__all__ = ['PosattnPerViT', 'PosattnViT', 'PosattnSimpleFPN', 'PositionalShapes', 'CheckedImageNet',
+           'register_checkpoint_loader']

@@ -18,6 +18,7 @@ import copy
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.utils.checkpoint
 from einops import rearrange
 from mmengine.model import BaseModule
 from mmengine.registry import MODELS
@@ -28,7 +29,7 @@ from posattn.convert import to_posattn_layout
 from posattn.grid import TokenGrid
 from posattn.models.pervit import PERVIT_LAYOUTS, PerViT
 from posattn.models.vit import LAYOUTS as VIT_LAYOUTS
-from posattn.models.vit import VisionTransformer, resize_pos_embed
+from posattn.models.vit import VisionTransformer
 
 __all__ = ['PosattnPerViT', 'PosattnViT']
 
@@ -107,6 +108,11 @@ class _PretrainedMixin:
 class PosattnPerViT(_PretrainedMixin, BaseModule):
     """PerViT (Min et al. 2022) as a backbone: stem, 12 columnar blocks, one stride-16 grid.
 
+    Any input size works (mmdet pads to multiples of 32, so grids like 50 x 83 arrive): the grid
+    is ceil(H/16) x ceil(W/16). For detection and segmentation at 800-1333 px, ``window_size`` and
+    ``global_blocks`` select windowed peripheral attention (:class:`posattn.models.pervit.PerViT`),
+    and ``with_cp`` trades compute for memory.
+
     Args:
         arch: 'tiny', 'small', 'medium', or a dict with ``embed_dims``, ``depths``, ``num_heads``
             and ``stem_dims`` (as :class:`posattn.models.pervit.PerViT` takes them).
@@ -116,6 +122,12 @@ class PosattnPerViT(_PretrainedMixin, BaseModule):
             stages (``depths``); k >= 1 also freezes the distance embedding every layer's Φp reads.
         norm_eval: keep the stem's BatchNorm layers in eval mode while training (frozen statistics).
         drop_path_rate: stochastic depth, rising linearly over the blocks to this rate.
+        window_size: None attends over the whole grid in every block (the classifier's
+            behaviour); ws attends within ws x ws windows, Φp computed once for the window grid.
+        global_blocks: blocks that attend over the whole grid when ``window_size`` is set,
+            e.g. (3, 7, 11).
+        with_cp: while training, recompute each block in the backward pass instead of keeping
+            its activations (``torch.utils.checkpoint``, non-reentrant), Φp included.
         init_cfg: mmengine init config; ``type='Pretrained'`` reads posattn or PerViT-release
             checkpoints (the classifier is not loaded).
 
@@ -124,10 +136,13 @@ class PosattnPerViT(_PretrainedMixin, BaseModule):
 
     def __init__(self, arch: Union[str, Mapping[str, Any]] = 'tiny', out_indices: Union[int, Sequence[int]] = -1,
                  frozen_stages: int = -1, norm_eval: bool = False, drop_path_rate: float = 0.0,
+                 window_size: Optional[int] = None, global_blocks: Sequence[int] = (), with_cp: bool = False,
                  init_cfg: Optional[Union[dict, list]] = None):
         super().__init__(init_cfg=copy.deepcopy(init_cfg))
         arch = _resolve_arch(arch, PERVIT_ARCHS, ('embed_dims', 'depths', 'num_heads', 'stem_dims'))
-        self.model = PerViT(**arch, num_classes=0, drop_path_rate=drop_path_rate)
+        self.model = PerViT(**arch, num_classes=0, drop_path_rate=drop_path_rate, window_size=window_size,
+                            global_blocks=global_blocks)
+        self.with_cp = with_cp
         self.stage_ends = torch.tensor(arch['depths']).cumsum(0).tolist()
         if not -1 <= frozen_stages <= len(self.stage_ends):
             raise ValueError(f'frozen_stages must be in -1..{len(self.stage_ends)}, got {frozen_stages}')
@@ -151,8 +166,12 @@ class PosattnPerViT(_PretrainedMixin, BaseModule):
         x, grid = self.model.stem(x)
         last = len(self.model.blocks) - 1
         maps = {}
+        checkpointed = self.with_cp and self.training and torch.is_grad_enabled()
         for i, block in enumerate(self.model.blocks[:max(self.out_indices) + 1]):
-            x = block(x, grid)
+            if checkpointed:
+                x = torch.utils.checkpoint.checkpoint(block, x, grid, use_reentrant=False)
+            else:
+                x = block(x, grid)
             if i in self.out_indices:
                 tokens = self.model.norm(x) if i == last else x
                 maps[i] = rearrange(tokens, 'b (h w) c -> b c h w', h=grid.height, w=grid.width)
@@ -232,21 +251,12 @@ class PosattnViT(_PretrainedMixin, BaseModule):
         return rearrange(patches, 'b (h w) c -> b c h w', h=grid.height, w=grid.width)
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        """The steps of ``VisionTransformer.forward_features``, keeping the ``out_indices`` blocks' outputs."""
+        """``VisionTransformer.forward_features``, keeping the ``out_indices`` blocks' outputs."""
         model = self.model
-        x, hw = model.patch_embed(x)
-        grid = TokenGrid(*hw, model.num_prefix_tokens)
-        if model.cls_token is not None:
-            x = torch.cat([model.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        if model.pos_embed is not None:
-            x = x + resize_pos_embed(model.pos_embed, model.grid_size, hw, model.num_prefix_tokens)
-        x = model.pos_drop(x)
+        x, grid = model.embed_tokens(x)
         last = len(model.blocks) - 1
         outputs = {}
-        for i, block in enumerate(model.blocks[:max(self.out_indices) + 1]):
-            x = block(x, grid)
-            if str(i) in model.pegs:
-                x, grid = model.pegs[str(i)](x, grid)
+        for i, x, grid in model.iter_blocks(x, grid, num_blocks=max(self.out_indices) + 1):
             if i in self.out_indices:
                 outputs[i] = self._output(model.norm(x) if i == last else x, grid)
         return tuple(outputs[i] for i in self.out_indices)

@@ -18,11 +18,17 @@ owned by the model, and starts from the release's initialisation over all 12 lay
 layers local, late ones near uniform). Φp depends only on the token grid, so any input the stem
 accepts works, square or not: the grid is ceil(H/16) x ceil(W/16) and each Φp is evaluated on it
 (recomputed once per forward while training, cached per grid at eval).
+
+High resolution (detection, segmentation; ViTDet's recipe, Li et al. 2022): with ``window_size``
+the blocks attend within non-overlapping ws x ws windows (:class:`posattn.window.GridWindows`,
+padding masked exactly), their Φp evaluated once on the ws x ws window grid and shared by every
+window and image, and the ``global_blocks`` attend over the whole grid. The CPE convolution,
+norms and MLP always see the whole grid.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from einops import rearrange
@@ -32,6 +38,7 @@ from ..attention import Attention
 from ..grid import TokenGrid
 from ..phi.peg import PositionEncodingGenerator
 from ..phi.peripheral import DistanceEmbedding, PeripheralPhi
+from ..window import GridWindows
 from .registry import register_model
 from .vit import DropPath, Mlp
 
@@ -93,12 +100,16 @@ class PerViTBlock(nn.Module):
         num_heads: attention heads.
         phi: this layer's peripheral Φp.
         drop_path: stochastic depth rate of both branches.
+        window_size: None attends over the whole grid; ws attends within ws x ws windows, with Φp
+            of the ws x ws grid.
 
     The MLP is 4 * ``dim`` wide (DeiT's ratio, the release's).
     """
 
-    def __init__(self, dim: int, out_dim: int, num_heads: int, phi: PeripheralPhi, drop_path: float = 0.0):
+    def __init__(self, dim: int, out_dim: int, num_heads: int, phi: PeripheralPhi, drop_path: float = 0.0,
+                 window_size: Optional[int] = None):
         super().__init__()
+        self.window_size = window_size
         self.cpe = PositionEncodingGenerator(dim, residual=False)
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = Attention(dim, num_heads, phi=phi, qkv_bias=False)
@@ -110,8 +121,18 @@ class PerViTBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
         """x: (B, H*W, dim) on ``grid`` -> (B, H*W, out_dim)."""
-        x = x + self.drop_path1(self.attn(self.norm1(self.cpe.tokens(x, grid)), grid))
+        x = x + self.drop_path1(self._attend(self.norm1(self.cpe.tokens(x, grid)), grid))
         return self.res(x) + self.drop_path2(self.mlp(self.norm2(x)))
+
+    def _attend(self, x: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
+        if self.window_size is None:
+            return self.attn(x, grid)
+        windows = GridWindows(grid, self.window_size)
+        out = self.attn(windows.partition(x), windows.window_grid, windows.key_mask(x.shape[0], x.device))
+        return windows.merge(out)  # (B, H*W, dim)
+
+    def extra_repr(self) -> str:
+        return f'window_size={self.window_size}'
 
 
 class PerViT(nn.Module):
@@ -126,17 +147,32 @@ class PerViT(nn.Module):
         num_classes: classifier outputs; 0 for no head (``forward`` returns pooled features).
         drop_path_rate: stochastic depth, rising linearly from 0 over all blocks to this rate
             (paper: 0.0 / 0.1 / 0.2 for T / S / M).
+        window_size: None (the release) attends over the whole grid in every block; ws attends
+            within ws x ws windows in every block but the ``global_blocks`` (e.g. 14, the
+            ImageNet grid, so that windows see the Φp they were trained with).
+        global_blocks: indices of the blocks that attend over the whole grid when windowed
+            (e.g. (3, 7, 11), one per quarter as in ViTDet).
     """
 
     def __init__(self, embed_dims: Sequence[int] = (128, 192, 224, 280), depths: Sequence[int] = (2, 2, 6, 2),
                  num_heads: int = 4, stem_dims: Sequence[int] = (48, 64, 96, 128), in_chans: int = 3,
-                 num_classes: int = 1000, drop_path_rate: float = 0.0):
+                 num_classes: int = 1000, drop_path_rate: float = 0.0, window_size: Optional[int] = None,
+                 global_blocks: Sequence[int] = ()):
         super().__init__()
         if len(embed_dims) != len(depths):
             raise ValueError(f'{len(embed_dims)} stage widths for {len(depths)} stages')
         bad = [d for d in embed_dims if d % num_heads]
         if bad:
             raise ValueError(f'stage widths {bad} are not divisible by num_heads {num_heads}')
+        num_layers = sum(depths)
+        global_blocks = tuple(sorted({int(i) for i in global_blocks}))
+        if window_size is None and global_blocks:
+            raise ValueError(f'global_blocks {global_blocks} needs window_size: without windows every block is global')
+        if window_size is not None and (isinstance(window_size, bool) or not isinstance(window_size, int)
+                                        or window_size < 1):
+            raise ValueError(f'window_size must be None or a positive int, got {window_size!r}')
+        if any(not 0 <= i < num_layers for i in global_blocks):
+            raise ValueError(f'global_blocks {global_blocks} must be block indices in 0..{num_layers - 1}')
         self.num_classes = num_classes
         self.num_features = embed_dims[-1]
         self.stem = ConvStem(in_chans, stem_dims, embed_dims[0])
@@ -144,13 +180,12 @@ class PerViT(nn.Module):
         self.distance_embedding = DistanceEmbedding(4 * num_heads)
         dims = [dim for dim, depth in zip(embed_dims, depths) for _ in range(depth)]
         out_dims = dims[1:] + dims[-1:]
-        num_layers = len(dims)
         drop_paths = torch.linspace(0, drop_path_rate, num_layers).tolist()
         self.blocks = nn.ModuleList([
             PerViTBlock(dims[i], out_dims[i], num_heads,
                         PeripheralPhi(num_heads, layer_index=i, num_layers=num_layers,
                                       distance_embedding=self.distance_embedding),
-                        drop_paths[i])
+                        drop_paths[i], window_size=None if i in global_blocks else window_size)
             for i in range(num_layers)])
         self.norm = nn.LayerNorm(self.num_features, eps=1e-6)
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()

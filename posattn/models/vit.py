@@ -20,7 +20,7 @@ grid the input produces, and every Φp is evaluated on that grid.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence, Tuple
+from typing import Any, Iterator, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -226,19 +226,31 @@ class VisionTransformer(nn.Module):
             nn.init.normal_(self.cls_token, std=1e-6)
         _init_linear_layers(self)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Images (B, C, H, W) -> normalised tokens (B, prefix + h*w, embed_dim)."""
+    def embed_tokens(self, x: torch.Tensor) -> Tuple[torch.Tensor, TokenGrid]:
+        """Images (B, C, H, W) -> the first block's input (B, prefix + h*w, embed_dim) and its grid."""
         x, hw = self.patch_embed(x)
         grid = TokenGrid(*hw, self.num_prefix_tokens)
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
         if self.pos_embed is not None:
             x = x + resize_pos_embed(self.pos_embed, self.grid_size, hw, self.num_prefix_tokens)
-        x = self.pos_drop(x)
-        for i, block in enumerate(self.blocks):
+        return self.pos_drop(x), grid
+
+    def iter_blocks(self, x: torch.Tensor, grid: TokenGrid,
+                    num_blocks: Optional[int] = None) -> Iterator[Tuple[int, torch.Tensor, TokenGrid]]:
+        """Runs the first ``num_blocks`` blocks (all by default), each followed by its PEG if it has
+        one, yielding (block index, tokens, grid) after each."""
+        for i, block in enumerate(self.blocks[:num_blocks]):
             x = block(x, grid)
             if str(i) in self.pegs:
                 x, grid = self.pegs[str(i)](x, grid)
+            yield i, x, grid
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images (B, C, H, W) -> normalised tokens (B, prefix + h*w, embed_dim)."""
+        x, grid = self.embed_tokens(x)
+        for _, x, grid in self.iter_blocks(x, grid):
+            pass
         return self.norm(x)
 
     def forward_head(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,145 @@
+"""Dense-prediction backbone speed and memory: windowed + global PerViT-T against the same with Φp ``none``.
+
+    python benchmarks/dense.py                              # fp32, CPU, batch 2, 512x512 and 800x1344
+    python benchmarks/dense.py --sizes 512x512 --repeat 2   # one size
+    python benchmarks/dense.py --device cuda --dtype bf16
+
+Side by side in one run, timed round-robin (median of ``--repeat`` rounds), in train mode (Φp
+recomputed every forward, as while training), for each image size:
+- backbone forward + backward (``PosattnPerViT``, 14 x 14 windows, global blocks 3, 7, 11, last
+  map out): peripheral Φp; the same backbone with every Φp swapped for ``none`` (plain attention,
+  the CPE convolutions kept, so the difference is Φp's cost); peripheral with ``with_cp``;
+- Φp alone, one layer (4 heads), on the window grid and on the whole grid of the global blocks:
+  forward without grad (eval, before the per-grid cache holds it), forward + backward;
+- peak memory of each (CPU: allocator events; CUDA: the allocator's peak).
+Prints two tables and saves ``benchmarks/results/dense-<device>-<dtype>.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # integrations/ lives at the repo root
+from common import peak_memory_mb, print_table, save_json, time_interleaved  # noqa: E402
+
+import posattn  # noqa: E402
+from integrations.openmmlab.backbones import PosattnPerViT  # noqa: E402
+from posattn.phi.peripheral import PeripheralPhi  # noqa: E402
+
+DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16}
+STEM_STRIDE = 16
+
+
+def image_size(text: str) -> Tuple[int, int]:
+    height, _, width = text.partition('x')
+    try:
+        return int(height), int(width)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'image size {text!r} is not HEIGHTxWIDTH, e.g. 800x1344') from None
+
+
+def backbones(args) -> Dict[str, PosattnPerViT]:
+    cfg = dict(arch='tiny', out_indices=(11,), window_size=args.window_size, global_blocks=tuple(args.global_blocks))
+    torch.manual_seed(0)
+    peripheral = PosattnPerViT(**cfg)
+    plain = copy.deepcopy(peripheral)
+    for block in plain.model.blocks:
+        block.attn.phi = posattn.build_phi('none')
+    checkpointed = PosattnPerViT(**cfg, with_cp=True)
+    checkpointed.load_state_dict(peripheral.state_dict())
+    return {'peripheral': peripheral, 'none': plain, 'peripheral, with_cp': checkpointed}
+
+
+def forward_backward(backbone: PosattnPerViT, images: torch.Tensor, autocast) -> Callable[[], None]:
+    backbone.train()
+
+    def step():
+        with autocast:
+            (feature_map,) = backbone(images)
+        feature_map.float().mean().backward()
+        backbone.zero_grad(set_to_none=True)
+    return step
+
+
+def phi_steps(phi: PeripheralPhi, height: int, width: int) -> Dict[str, Callable[[], None]]:
+    tokens = height * width
+    upstream = torch.randn(phi.num_heads, tokens, tokens, device=phi.proj1_weight.device)
+
+    def forward():
+        with torch.no_grad():
+            phi.log_position_attention(height, width)
+
+    def forward_backward():
+        phi.log_position_attention(height, width).backward(upstream)
+        phi.zero_grad(set_to_none=True)
+    return {'forward (eval)': forward, 'forward + backward': forward_backward}
+
+
+def backbone_rows(args, size: Tuple[int, int], models: Dict[str, PosattnPerViT], autocast) -> List[Dict[str, object]]:
+    images = torch.randn(args.batch, 3, *size, device=args.device)
+    fns = {name: forward_backward(model, images, autocast) for name, model in models.items()}
+    times = time_interleaved(fns, repeat=args.repeat, warmup=args.warmup, device=args.device)
+    rows = []
+    for name, fn in fns.items():
+        rows.append({'size': f'{size[0]}x{size[1]}', 'batch': args.batch, 'Φp': name, 'fwd+bwd ms': times[name],
+                     'peak MiB': peak_memory_mb(fn, args.device) if args.memory else None,
+                     'vs none': times[name] / times['none']})
+    return rows
+
+
+def phi_rows(args, size: Tuple[int, int], phi: PeripheralPhi) -> List[Dict[str, object]]:
+    grid = (-(-size[0] // STEM_STRIDE), -(-size[1] // STEM_STRIDE))
+    rows = []
+    for label, (height, width) in (('window', (args.window_size,) * 2), ('global', grid)):
+        fns = phi_steps(phi, height, width)
+        times = time_interleaved(fns, repeat=args.repeat, warmup=args.warmup, device=args.device)
+        for task, fn in fns.items():
+            rows.append({'size': f'{size[0]}x{size[1]}', 'layer': label, 'grid': f'{height}x{width}',
+                         'Φp values M': phi.num_heads * (height * width) ** 2 / 1e6, 'task': task, 'ms': times[task],
+                         'peak MiB': peak_memory_mb(fn, args.device) if args.memory else None})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--device', type=torch.device, default=torch.device('cpu'))
+    parser.add_argument('--dtype', choices=sorted(DTYPES), default='fp32')
+    parser.add_argument('--sizes', type=image_size, nargs='+', default=[(512, 512), (800, 1344)],
+                        help='image sizes HEIGHTxWIDTH')
+    parser.add_argument('--batch', type=int, default=2)
+    parser.add_argument('--window-size', type=int, default=14)
+    parser.add_argument('--global-blocks', type=int, nargs='*', default=[3, 7, 11])
+    parser.add_argument('--repeat', type=int, default=3)
+    parser.add_argument('--warmup', type=int, default=1)
+    parser.add_argument('--no-memory', dest='memory', action='store_false', help='skip peak-memory runs')
+    args = parser.parse_args()
+    autocast = torch.autocast(args.device.type, dtype=DTYPES[args.dtype], enabled=args.dtype != 'fp32')
+    models = {name: model.to(args.device) for name, model in backbones(args).items()}
+    phi = models['peripheral'].model.blocks[args.global_blocks[0] if args.global_blocks else 0].attn.phi
+    rows, phis = [], []
+    for size in args.sizes:
+        rows += backbone_rows(args, size, models, autocast)
+        phis += phi_rows(args, size, phi)
+    print(f'PerViT-T backbone, {args.window_size}x{args.window_size} windows, global blocks {args.global_blocks}, '
+          f'{args.dtype} on {args.device}, {torch.get_num_threads()} threads, torch {torch.__version__}, '
+          f'median of {args.repeat} rounds')
+    print_table(rows, ['size', 'batch', 'Φp', 'fwd+bwd ms', 'peak MiB', 'vs none'])
+    print()
+    print(f'Φp of one layer ({phi.num_heads} heads), no batch dimension')
+    print_table(phis, ['size', 'layer', 'grid', 'Φp values M', 'task', 'ms', 'peak MiB'])
+    path = save_json(f'dense-{args.device.type}-{args.dtype}', {
+        'settings': {'sizes': [f'{h}x{w}' for h, w in args.sizes], 'batch': args.batch, 'dtype': args.dtype,
+                     'device': str(args.device), 'window_size': args.window_size,
+                     'global_blocks': args.global_blocks, 'repeat': args.repeat, 'warmup': args.warmup},
+        'backbone': rows, 'phi': phis})
+    print(f'saved {path}')
+
+
+if __name__ == '__main__':
+    main()
