@@ -1,6 +1,6 @@
 """A short tour of the posattn core: one attention layer, every registered Φp.
 
-    make run          # or: .venv/bin/python examples/quickstart.py
+    .venv/bin/python examples/quickstart.py
 
 Builds ``posattn.Attention`` with each Φp on a non-square 9 x 12 grid with a class token,
 runs a training step, then shows what PerViT's peripheral Φp looks like at the release's

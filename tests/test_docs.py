@@ -34,3 +34,13 @@ def test_readme_quick_start():
     namespace = {}
     exec(compile(example, 'README.md', 'exec'), namespace)
     assert namespace['out'].shape == (8, 281, 128)
+
+
+def test_quickstart_example_runs():
+    import subprocess
+    import sys
+    script = DOCS.parent / 'examples' / 'quickstart.py'
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert 'Φp registered: irpe, none, peg, peripheral' in result.stdout
+    assert 'layer 0: Φp from' in result.stdout
