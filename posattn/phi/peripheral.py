@@ -143,6 +143,13 @@ def _chunk_forward(canvas, scale, shift, proj2, proj2_bias, norm2_weight, norm2_
     return hidden, normed, inv_std, log_phi
 
 
+def _query_span(rows: slice, height: int, width: int) -> slice:
+    """The queries of window-start rows ``rows``, reversed: window (a, b) is query (H-1-a, W-1-b),
+    so the chunk's window order flipped fills this contiguous span of the query axis."""
+    tokens = height * width
+    return slice(tokens - rows.stop * width, tokens - rows.start * width)
+
+
 def _flip_offsets(rows: torch.Tensor) -> torch.Tensor:
     """Reverse the kernel offsets of (9 * heads, ...) rows: offset (u, v) <-> (2 - u, 2 - v)."""
     return rows.view(KERNEL_SIZE ** 2, -1, *rows.shape[1:]).flip(0).view(rows.shape)
@@ -180,20 +187,19 @@ class _LogPeripheralAttention(torch.autograd.Function):
         hidden_dim, height, width = scale.shape
         tokens = height * width
         chunks = _row_chunks(height, width, hidden_dim)
-        mirrored = canvas.new_empty(norm2_weight.shape[0], tokens, tokens)  # queries by window start
+        log_phi = canvas.new_empty(norm2_weight.shape[0], tokens, tokens)
         for rows in chunks:
             activations = _chunk_forward(canvas, scale, shift, proj2, proj2_bias, norm2_weight,
                                          norm2_bias, rows)
-            mirrored[:, rows.start * width:rows.stop * width] = activations[-1]
+            log_phi[:, _query_span(rows, height, width)] = activations[-1].flip(1)
         ctx.save_for_backward(canvas, scale, shift, proj2, proj2_bias, norm2_weight, norm2_bias)
         ctx.activations = activations if len(chunks) == 1 else None
-        return mirrored.flip(1)  # window (a, b) is query (H-1-a, W-1-b): reverse the query axis
+        return log_phi
 
     @staticmethod
     def backward(ctx, grad):
         canvas, scale, shift, proj2, proj2_bias, norm2_weight, norm2_bias = ctx.saved_tensors
         hidden_dim, height, width = scale.shape
-        grad_mirrored = grad.flip(1)
         grad_canvas, grad_scale, grad_shift, grad_proj2 = map(torch.zeros_like, (canvas, scale, shift, proj2))
         grad_proj2_bias, grad_norm2_weight, grad_norm2_bias = map(
             torch.zeros_like, (proj2_bias, norm2_weight, norm2_bias))
@@ -202,7 +208,7 @@ class _LogPeripheralAttention(torch.autograd.Function):
             hidden, normed, inv_std, log_phi = ctx.activations or _chunk_forward(
                 canvas, scale, shift, proj2, proj2_bias, norm2_weight, norm2_bias, rows)
             queries = hidden.shape[1] * width
-            grad_logits = grad_mirrored[:, rows.start * width:rows.stop * width] * torch.expm1(log_phi).neg_()
+            grad_logits = grad[:, _query_span(rows, height, width)].flip(1) * torch.expm1(log_phi).neg_()
             grad_norm2_weight += (grad_logits * normed).sum((1, 2))
             grad_norm2_bias += grad_logits.sum((1, 2))
             grad_normed = grad_logits.mul_(norm2_weight[:, None, None])
