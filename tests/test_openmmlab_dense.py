@@ -95,3 +95,21 @@ def test_simple_fpn_layer_norm_and_errors():
         neck((torch.randn(1, 8, 4, 6, dtype=torch.float64),))
     with pytest.raises(ValueError, match='num_outs must be at least 4'):
         PosattnSimpleFPN(in_channels=12, num_outs=3)
+
+
+def test_simple_fpn_outputs_are_contiguous_for_mmcv_roi_align():
+    """mmcv's CPU RoIAlign reads memory as contiguous NCHW: on the channels-last strides a
+    LayerNorm over channels leaves it returns wrong values, so the neck's outputs must be
+    contiguous (the detector learned nothing before this was fixed)."""
+    from mmcv.ops import RoIAlign
+    torch.manual_seed(0)
+    neck = PosattnSimpleFPN(in_channels=12, out_channels=8, num_outs=5)
+    maps = neck((torch.randn(1, 12, 4, 6),))
+    assert all(m.is_contiguous() for m in maps)
+    rois = torch.tensor([[0, 2.0, 3.0, 40.0, 30.0]])
+    roi_align = RoIAlign((7, 7), spatial_scale=0.25, sampling_ratio=0, aligned=True)
+    channels_last = maps[0].permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    assert not torch.allclose(roi_align(channels_last, rois), roi_align(maps[0], rois))  # the trap
+    from torchvision.ops import roi_align as torchvision_roi_align  # an independent implementation
+    expected = torchvision_roi_align(maps[0], rois, (7, 7), spatial_scale=0.25, sampling_ratio=0, aligned=True)
+    torch.testing.assert_close(roi_align(maps[0], rois), expected, rtol=1e-5, atol=1e-5)

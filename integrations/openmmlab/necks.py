@@ -83,7 +83,9 @@ class PosattnSimpleFPN(BaseModule):
         if x.dim() != 4 or x.shape[1] != self.in_channels:
             raise ValueError(f'expected a (B, {self.in_channels}, h, w) map at index {self.in_index} of the '
                              f'backbone outputs, got shape {tuple(x.shape)}')
-        outs = [output(rescale(x)) for rescale, output in zip(self.rescales, self.outputs)]
+        # The last LayerNorm leaves channels-last strides; mmcv's CPU RoIAlign reads its input's
+        # memory as contiguous NCHW and returns wrong values otherwise (tested), so make them so.
+        outs = [output(rescale(x)).contiguous() for rescale, output in zip(self.rescales, self.outputs)]
         while len(outs) < self.num_outs:
             outs.append(F.max_pool2d(outs[-1], 1, stride=2))
         return tuple(outs)
