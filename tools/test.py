@@ -34,10 +34,10 @@ def main(argv=None):
     args = parse_args(argv)
     metrics = Runner.from_cfg(build_config(args)).test()
     if is_main_process():
-        print('\n' + ', '.join(f'{k}: {v:.2f}' for k, v in metrics.items()))
+        print('\n' + ', '.join(f'{k}: {v:.4g}' for k, v in metrics.items()))
         if args.out:
-            with open(args.out, 'w') as f:
-                json.dump(metrics, f, indent=2)
+            with open(args.out, 'w') as f:  # mmseg's metrics are numpy scalars
+                json.dump({k: v.item() if hasattr(v, 'item') else v for k, v in metrics.items()}, f, indent=2)
     return metrics
 
 

@@ -2,7 +2,7 @@
 
 The arguments of OpenMMLab's ``tools/train.py``; multi-GPU and multi-node through torchrun
 (``tools/dist_train.sh``, ``--launcher pytorch``). Ends by printing the last validation metrics,
-where the checkpoints are, and the tools/analyze.py command for the checkpoint.
+where the checkpoints are, and (for classifiers) the tools/analyze.py command for the checkpoint.
 """
 import argparse
 
@@ -60,14 +60,14 @@ def main(argv=None):
     runner.train()
     if is_main_process():
         hub = runner.message_hub
-        results = ', '.join(f'{k}: {v:.2f}' for k, v in last_metrics.metrics.items()) or 'no validation run'
+        results = ', '.join(f'{k}: {v:.4g}' for k, v in last_metrics.metrics.items()) or 'no validation run'
         print(f'\nFinished {runner.epoch} epochs / {runner.iter} iterations. Last validation: {results}')
         print(f'Last checkpoint: {hub.get_info("last_ckpt", "none saved")}')
         if hub.get_info('best_ckpt') is not None:
-            print(f'Best checkpoint: {hub.get_info("best_ckpt")} ({hub.get_info("best_score"):.2f})')
+            print(f'Best checkpoint: {hub.get_info("best_ckpt")} ({hub.get_info("best_score"):.4g})')
         print(f'Logs: {runner.log_dir}')
         checkpoint = hub.get_info('best_ckpt') or hub.get_info('last_ckpt')
-        if checkpoint is not None:
+        if checkpoint is not None and runner.cfg.get('default_scope') == 'mmpretrain':  # classifiers only
             print(f'What the attention learned (Φp maps, nonlocality, impact; docs/analysis.md):\n'
                   f'  python tools/analyze.py {args.config} {checkpoint} --out {runner.work_dir}/analysis')
 

@@ -1,7 +1,7 @@
 """posattn in OpenMMLab (mmengine / mmpretrain / mmdet / mmseg): import this module once.
 
 ``custom_imports = dict(imports=['integrations.openmmlab'], allow_failed_imports=False)`` in a
-config (or importing it in a script) does three things:
+config (or importing it in a script) does four things:
 
 * registers the backbones ``PosattnPerViT`` and ``PosattnViT`` in mmengine's root ``MODELS``
   (:mod:`.backbones`), visible from every toolbox's registry;
@@ -10,6 +10,12 @@ config (or importing it in a script) does three things:
   mmpretrain's ``DATASETS`` (:mod:`.datasets`);
 * makes mmengine load local checkpoints weights-only with an allow-list of its own types, so
   resume, ``load_from`` and testing work on torch >= 2.6 (:mod:`.checkpoint`).
+
+The detection and segmentation datasets live in their own modules, imported by the configs that
+use them, so that classification needs neither mmdet nor mmseg: :mod:`.detection` registers
+``ShapesCocoDataset`` (the embedded dense shapes set, :mod:`.dense_shapes`) and
+``CheckedCocoDataset`` in mmdet's ``DATASETS``, :mod:`.segmentation` registers
+``ShapesSegDataset`` and ``CheckedADE20KDataset`` in mmseg's.
 """
 from .backbones import PosattnPerViT, PosattnViT
 from .checkpoint import register_checkpoint_loader

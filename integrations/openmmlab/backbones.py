@@ -10,16 +10,20 @@ Both follow mmpretrain's backbone conventions (``arch`` table or dict, ``out_ind
 ``out_indices``. The wrapped posattn model sits under ``.model`` with posattn's parameter names;
 ``init_cfg=dict(type='Pretrained', checkpoint=...)`` reads posattn checkpoints and the layouts
 :func:`posattn.convert.to_posattn_layout` converts (the PerViT release's), weights-only, and
-loads everything but the classifier strictly.
+loads everything but the classifier strictly, with a warning that names the classifier's
+weights it leaves out.
 """
 from __future__ import annotations
 
 import copy
+import logging
+import os
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.utils.checkpoint
 from einops import rearrange
+from mmengine.logging import print_log
 from mmengine.model import BaseModule
 from mmengine.registry import MODELS
 from mmengine.runner import CheckpointLoader
@@ -88,19 +92,31 @@ class _PretrainedMixin:
         if extra:
             raise ValueError(f'{type(self).__name__} reads only checkpoint and map_location from a '
                              f'Pretrained init_cfg; got {sorted(extra)} too')
+        checkpoint = cfg['checkpoint']
+        if '://' not in checkpoint and not os.path.isfile(os.path.expanduser(checkpoint)):
+            raise FileNotFoundError(
+                f'{type(self).__name__}: no pretrained checkpoint at {checkpoint!r}. Put an ImageNet '
+                f'checkpoint there (the PerViT release\'s pervit_tiny.pth / pervit_small.pth, or one '
+                f'trained with configs/pervit_t_imagenet.py), point the config at it with '
+                f'--cfg-options model.backbone.init_cfg.checkpoint=PATH, or train from scratch with '
+                f'--cfg-options model.backbone.init_cfg=None')
         # mmengine's CheckpointLoader handles URLs; local files go through the weights-only
         # loader that integrations.openmmlab.checkpoint registers.
-        raw = CheckpointLoader.load_checkpoint(cfg['checkpoint'], map_location=cfg.get('map_location', 'cpu'))
+        raw = CheckpointLoader.load_checkpoint(checkpoint, map_location=cfg.get('map_location', 'cpu'))
         if isinstance(raw, Mapping) and isinstance(raw.get('state_dict'), Mapping):
             raw = {k[len('backbone.model.'):]: v for k, v in raw['state_dict'].items()
                    if k.startswith('backbone.model.')}  # a checkpoint of these backbones under mmengine
         state_dict, layout = to_posattn_layout(raw)
+        head_keys = sorted(k for k in state_dict if k.startswith('head.'))
         state_dict = {k: v for k, v in state_dict.items() if not k.startswith('head.')}
         incompatible = self.model.load_state_dict(state_dict, strict=False)
         missing = [k for k in incompatible.missing_keys if not k.startswith('head.')]
         if missing or incompatible.unexpected_keys:
-            raise ValueError(f'checkpoint {cfg["checkpoint"]} ({layout} layout) does not fit {type(self).__name__}: '
+            raise ValueError(f'checkpoint {checkpoint} ({layout} layout) does not fit {type(self).__name__}: '
                              f'missing {missing[:8]}, unexpected {incompatible.unexpected_keys[:8]}')
+        print_log(f'{type(self).__name__}: loaded every backbone weight from {checkpoint} ({layout} layout)'
+                  + (f'; not loaded, the classifier: {", ".join(head_keys)}' if head_keys else ''),
+                  logger='current', level=logging.WARNING if head_keys else logging.INFO)
         self._is_init = True
 
 

@@ -7,11 +7,14 @@ from typing import Any, List, Optional
 from mmpretrain.datasets import BaseDataset, ImageNet
 from mmpretrain.registry import DATASETS
 
+from .data_checks import require_data
 from .shapes import CLASSES, render_shapes
 
 __all__ = ['PositionalShapes', 'CheckedImageNet']
 
 EMBEDDED_CONFIG = 'configs/pervit_t_shapes.py'
+IMAGENET_LAYOUT = """  {data_root}/train/<wnid>/*.JPEG  (e.g. train/n01440764/n01440764_10026.JPEG)
+  {data_root}/val/<wnid>/*.JPEG, or val/*.JPEG with meta/val.txt (mmpretrain's layout)"""
 
 
 @DATASETS.register_module()
@@ -54,19 +57,15 @@ class CheckedImageNet(ImageNet):
     """mmpretrain's :class:`~mmpretrain.datasets.ImageNet`, failing early with a useful message when
     the data is not where the config says.
 
-    Expected layout (mmpretrain's): ``{data_root}/train/n01440764/*.JPEG`` ...,
-    ``{data_root}/val/...``, optionally with ``meta/train.txt`` and ``meta/val.txt``.
+    Expected layout: :data:`IMAGENET_LAYOUT` (mmpretrain's), optionally with ``meta/train.txt``
+    and ``meta/val.txt``.
     """
 
     def __init__(self, data_root: str = '', split: str = '', data_prefix: Optional[str] = None, **kwargs: Any):
         folder = os.path.join(data_root, data_prefix if data_prefix is not None else split)
-        if not os.path.isdir(folder):
-            raise FileNotFoundError(
-                f'ImageNet {split or "images"} not found at {os.path.abspath(folder)}. Put ImageNet-1k in '
-                f"mmpretrain's layout under {os.path.abspath(data_root) if data_root else 'data_root'} "
-                f'(train/<wnid>/*.JPEG, val/<wnid>/*.JPEG or val/*.JPEG with meta/val.txt), or set '
-                f'--cfg-options train_dataloader.dataset.data_root=... ; to try the pipeline without '
-                f'ImageNet, train the embedded set: python tools/train.py {EMBEDDED_CONFIG}')
+        require_data(folder, f'ImageNet {split or "images"}', IMAGENET_LAYOUT,
+                     'train_dataloader.dataset.data_root=/path/ (and val_dataloader.dataset.data_root)',
+                     EMBEDDED_CONFIG)
         kwargs.update(data_root=data_root, split=split)
         if data_prefix is not None:
             kwargs['data_prefix'] = data_prefix

@@ -18,7 +18,7 @@ from typing import List, Tuple
 
 import numpy as np
 
-__all__ = ['SHAPES', 'CLASSES', 'render_shapes']
+__all__ = ['SHAPES', 'CLASSES', 'shape_mask', 'render_shapes']
 
 SHAPES = ('circle', 'square', 'triangle')
 PAIRS: List[Tuple[int, int]] = list(itertools.permutations(range(len(SHAPES)), 2))
@@ -27,7 +27,7 @@ RADIUS_RANGE = (0.15, 0.24)  # shape half-sides, as fractions of the image side
 _MIN_GAP = 2  # pixels between the two shapes' bounding boxes, so "left of" is never ambiguous
 
 
-def _shape_mask(shape: int, cy: float, cx: float, radius: float, ys: np.ndarray, xs: np.ndarray) -> np.ndarray:
+def shape_mask(shape: int, cy: float, cx: float, radius: float, ys: np.ndarray, xs: np.ndarray) -> np.ndarray:
     """Boolean (H, W) mask of a circle, square or upward triangle inscribed in the box of half-side ``radius``."""
     dy, dx = ys - cy, xs - cx
     if SHAPES[shape] == 'circle':
@@ -65,6 +65,6 @@ def render_shapes(num_images: int, img_size: int = 64, seed: int = 0) -> Tuple[n
         image = background + rng.normal(0, 12, size=(img_size, img_size, 3))
         for shape, y, x, radius in zip(PAIRS[label], cy, cx, radii):
             colour = rng.uniform(130, 255, size=3)
-            image[_shape_mask(shape, y, x, radius, ys, xs)] = colour
+            image[shape_mask(shape, y, x, radius, ys, xs)] = colour
         images[index] = np.clip(image, 0, 255).astype(np.uint8)
     return images, labels
