@@ -1,0 +1,107 @@
+"""mmcv's compiled ops that mmdet's Mask R-CNN calls, routed to torchvision's kernels where mmcv has none.
+
+An mmcv built without ``FORCE_CUDA`` (the shared 2.1.0 wheel, or a quick CPU-ops build on a GPU
+machine) has CPU kernels only: on CUDA tensors its ops stop with "not compiled with GPU support".
+Mask R-CNN needs three of them, and torchvision ships the same operations with CUDA kernels:
+
+    mmcv._ext.nms                 -> torchvision.ops.nms                 (RPN and box NMS; offset 0)
+    mmcv._ext.roi_align_forward   -> torchvision's roi_align             (RoI features, mask targets;
+    mmcv._ext.roi_align_backward  -> torchvision's _roi_align_backward    average pooling)
+
+:func:`route_mmcv_ops_to_torchvision` wraps those three functions of ``mmcv._ext`` (mmcv's Python
+ops look them up at call time, so mmcv's ``RoIAlign``, ``roi_align`` and ``nms`` and everything in
+mmdet built on them follow): tensors on the listed device types go to torchvision, all others to
+mmcv's own kernels. By default it routes CUDA tensors when mmcv was compiled without CUDA and
+does nothing otherwise. Both libraries define RoIAlign the same way (Mask R-CNN's, with
+``aligned`` shifting by half a pixel and ``sampling_ratio=0`` adaptive), which the tests check on
+CPU by routing CPU tensors and comparing with mmcv's kernels. UPerNet calls no mmcv op.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterable, Optional
+
+import torch
+import torchvision  # noqa: F401  (registers torch.ops.torchvision)
+
+__all__ = ['mmcv_has_cuda_kernels', 'route_mmcv_ops_to_torchvision', 'unroute_mmcv_ops']
+
+_AVERAGE_POOLING = 1  # mmcv's pool_mode code for 'avg' (0 is 'max', which torchvision lacks)
+_ORIGINALS: Dict[str, Callable] = {}
+
+
+def mmcv_has_cuda_kernels() -> bool:
+    """Whether the installed mmcv was compiled with its CUDA kernels."""
+    from mmcv.ops import get_compiling_cuda_version
+    return get_compiling_cuda_version() != 'not available'
+
+
+def _nms(original: Callable, devices: frozenset) -> Callable:
+    def nms(bboxes: torch.Tensor, scores: torch.Tensor, iou_threshold: float, offset: int = 0) -> torch.Tensor:
+        if bboxes.device.type not in devices:
+            return original(bboxes, scores, iou_threshold=iou_threshold, offset=offset)
+        if offset != 0:
+            raise NotImplementedError(f'nms with offset={offset} has no torchvision kernel (only offset 0); '
+                                      f'build mmcv with FORCE_CUDA=1 for it')
+        return torch.ops.torchvision.nms(bboxes, scores, float(iou_threshold))
+    return nms
+
+
+def _check_average(pool_mode: int) -> None:
+    if pool_mode != _AVERAGE_POOLING:
+        raise NotImplementedError("RoIAlign with pool_mode='max' has no torchvision kernel; "
+                                  "build mmcv with FORCE_CUDA=1 for it")
+
+
+def _roi_align_forward(original: Callable, devices: frozenset) -> Callable:
+    def roi_align_forward(input, rois, output, argmax_y, argmax_x, aligned_height, aligned_width,
+                          spatial_scale, sampling_ratio, pool_mode, aligned):
+        if input.device.type not in devices:
+            return original(input, rois, output, argmax_y, argmax_x, aligned_height=aligned_height,
+                            aligned_width=aligned_width, spatial_scale=spatial_scale,
+                            sampling_ratio=sampling_ratio, pool_mode=pool_mode, aligned=aligned)
+        _check_average(pool_mode)
+        output.copy_(torch.ops.torchvision.roi_align(input, rois, float(spatial_scale), int(aligned_height),
+                                                     int(aligned_width), int(sampling_ratio), bool(aligned)))
+    return roi_align_forward
+
+
+def _roi_align_backward(original: Callable, devices: frozenset) -> Callable:
+    def roi_align_backward(grad_output, rois, argmax_y, argmax_x, grad_input, aligned_height, aligned_width,
+                           spatial_scale, sampling_ratio, pool_mode, aligned):
+        if grad_output.device.type not in devices:
+            return original(grad_output, rois, argmax_y, argmax_x, grad_input, aligned_height=aligned_height,
+                            aligned_width=aligned_width, spatial_scale=spatial_scale,
+                            sampling_ratio=sampling_ratio, pool_mode=pool_mode, aligned=aligned)
+        _check_average(pool_mode)
+        batch, channels, height, width = grad_input.shape
+        grad_input.copy_(torch.ops.torchvision._roi_align_backward(
+            grad_output, rois, float(spatial_scale), int(aligned_height), int(aligned_width),
+            batch, channels, height, width, int(sampling_ratio), bool(aligned)))
+    return roi_align_backward
+
+
+_WRAPPERS = {'nms': _nms, 'roi_align_forward': _roi_align_forward, 'roi_align_backward': _roi_align_backward}
+
+
+def route_mmcv_ops_to_torchvision(devices: Optional[Iterable[str]] = None) -> frozenset:
+    """Send mmcv's NMS and RoIAlign on tensors of ``devices`` (device types, e.g. ``('cuda',)``) to
+    torchvision; default: ``('cuda',)`` when mmcv lacks CUDA kernels, else nothing. Replaces an
+    earlier routing. Returns the device types routed."""
+    import mmcv._ext as ext
+    if devices is None:
+        devices = () if mmcv_has_cuda_kernels() else ('cuda',)
+    devices = frozenset(devices)
+    unroute_mmcv_ops()
+    if devices:
+        for name, wrap in _WRAPPERS.items():
+            _ORIGINALS[name] = getattr(ext, name)
+            setattr(ext, name, wrap(_ORIGINALS[name], devices))
+    return devices
+
+
+def unroute_mmcv_ops() -> None:
+    """Give mmcv's own kernels back every op (no-op when nothing is routed)."""
+    import mmcv._ext as ext
+    for name, original in _ORIGINALS.items():
+        setattr(ext, name, original)
+    _ORIGINALS.clear()
