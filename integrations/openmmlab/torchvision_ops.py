@@ -18,7 +18,7 @@ CPU by routing CPU tensors and comparing with mmcv's kernels. UPerNet calls no m
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 import torchvision  # noqa: F401  (registers torch.ops.torchvision)
@@ -46,37 +46,32 @@ def _nms(original: Callable, devices: frozenset) -> Callable:
     return nms
 
 
-def _check_average(pool_mode: int) -> None:
-    if pool_mode != _AVERAGE_POOLING:
+def _average_pooling_options(options: Dict[str, Any]) -> Tuple[float, int, int, int, bool]:
+    """torchvision's (spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned) from the
+    keyword options mmcv passes its RoIAlign kernels."""
+    if options['pool_mode'] != _AVERAGE_POOLING:
         raise NotImplementedError("RoIAlign with pool_mode='max' has no torchvision kernel; "
                                   "build mmcv with FORCE_CUDA=1 for it")
+    return (float(options['spatial_scale']), int(options['aligned_height']), int(options['aligned_width']),
+            int(options['sampling_ratio']), bool(options['aligned']))
 
 
 def _roi_align_forward(original: Callable, devices: frozenset) -> Callable:
-    def roi_align_forward(input, rois, output, argmax_y, argmax_x, aligned_height, aligned_width,
-                          spatial_scale, sampling_ratio, pool_mode, aligned):
+    def roi_align_forward(input, rois, output, argmax_y, argmax_x, **options):
         if input.device.type not in devices:
-            return original(input, rois, output, argmax_y, argmax_x, aligned_height=aligned_height,
-                            aligned_width=aligned_width, spatial_scale=spatial_scale,
-                            sampling_ratio=sampling_ratio, pool_mode=pool_mode, aligned=aligned)
-        _check_average(pool_mode)
-        output.copy_(torch.ops.torchvision.roi_align(input, rois, float(spatial_scale), int(aligned_height),
-                                                     int(aligned_width), int(sampling_ratio), bool(aligned)))
+            return original(input, rois, output, argmax_y, argmax_x, **options)
+        scale, height, width, sampling_ratio, aligned = _average_pooling_options(options)
+        output.copy_(torch.ops.torchvision.roi_align(input, rois, scale, height, width, sampling_ratio, aligned))
     return roi_align_forward
 
 
 def _roi_align_backward(original: Callable, devices: frozenset) -> Callable:
-    def roi_align_backward(grad_output, rois, argmax_y, argmax_x, grad_input, aligned_height, aligned_width,
-                           spatial_scale, sampling_ratio, pool_mode, aligned):
+    def roi_align_backward(grad_output, rois, argmax_y, argmax_x, grad_input, **options):
         if grad_output.device.type not in devices:
-            return original(grad_output, rois, argmax_y, argmax_x, grad_input, aligned_height=aligned_height,
-                            aligned_width=aligned_width, spatial_scale=spatial_scale,
-                            sampling_ratio=sampling_ratio, pool_mode=pool_mode, aligned=aligned)
-        _check_average(pool_mode)
-        batch, channels, height, width = grad_input.shape
+            return original(grad_output, rois, argmax_y, argmax_x, grad_input, **options)
+        scale, height, width, sampling_ratio, aligned = _average_pooling_options(options)
         grad_input.copy_(torch.ops.torchvision._roi_align_backward(
-            grad_output, rois, float(spatial_scale), int(aligned_height), int(aligned_width),
-            batch, channels, height, width, int(sampling_ratio), bool(aligned)))
+            grad_output, rois, scale, height, width, *grad_input.shape, sampling_ratio, aligned))
     return roi_align_backward
 
 
