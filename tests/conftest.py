@@ -1,11 +1,15 @@
-"""Shared test helpers: the ../shared folder beside the checkout, and seeded determinism."""
+"""Shared test helpers: the ../shared folder beside the checkout, seeded determinism, and running
+the repository's tools in a subprocess."""
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-SHARED = Path(__file__).resolve().parents[1].parent / 'shared'
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / 'shared'
 FIXTURES = SHARED / 'fixtures'
 
 
@@ -31,3 +35,12 @@ def weights_recipe():
         sys.path.insert(0, str(FIXTURES))
     import weights_recipe as recipe
     return recipe
+
+
+def run_tool(*command, timeout, env=None):
+    """Run ``command`` from the repository root (e.g. ``sys.executable, 'tools/train.py', ...``) and
+    return its stdout + stderr; a non-zero exit fails the test with the tail of both."""
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                            env=dict(os.environ, **(env or {})))
+    assert result.returncode == 0, f'{" ".join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}'
+    return result.stdout + result.stderr

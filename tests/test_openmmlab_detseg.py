@@ -4,7 +4,6 @@ ImageNet initialisation from a release-layout checkpoint, and a few iterations o
 config through tools/train.py and tools/test.py."""
 import json
 import logging
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from mmengine.config import Config  # noqa: E402
-from mmengine.registry import init_default_scope  # noqa: E402
+from mmengine.registry import DefaultScope  # noqa: E402
 from pycocotools import mask as mask_utils  # noqa: E402
 
 import posattn  # noqa: E402
@@ -26,6 +25,7 @@ import integrations.openmmlab.backbones as backbones  # noqa: E402
 import integrations.openmmlab.detection  # noqa: E402,F401
 import integrations.openmmlab.segmentation  # noqa: E402,F401
 from integrations.openmmlab.dense_shapes import ensure_dense_shapes  # noqa: E402
+from conftest import run_tool  # noqa: E402
 from release_pervit import ReleasePerViT  # noqa: E402
 
 DETECTION = ['mask-rcnn_pervit-t_fpn_1x_coco.py', 'mask-rcnn_pervit-s_fpn_1x_coco.py']
@@ -38,12 +38,14 @@ def config(name):
 
 
 def build_model(cfg):
-    init_default_scope(cfg.default_scope)
+    """The config's model, built in its toolbox's scope (restored afterwards: other test files
+    build in mmpretrain's)."""
     if cfg.default_scope == 'mmdet':
         from mmdet.registry import MODELS
     else:
         from mmseg.registry import MODELS
-    return MODELS.build(cfg.model)
+    with DefaultScope.overwrite_default_scope(cfg.default_scope):
+        return MODELS.build(cfg.model)
 
 
 # ---------------------------------------------------------------- the generated set
@@ -179,10 +181,9 @@ def test_missing_coco_and_ade_say_where_and_name_the_embedded_config(tmp_path):
     for name, embedded, where in [(DETECTION[0], 'configs/mask-rcnn_pervit-t_shapes.py', 'annotations/instances_train2017.json'),
                                   (SEGMENTATION[0], 'configs/upernet_pervit-t_shapes.py', 'images/training')]:
         cfg = config(name)
-        init_default_scope(cfg.default_scope)
         from mmengine.registry import DATASETS
         dataset = dict(cfg.train_dataloader.dataset, data_root=str(tmp_path / 'nowhere'))
-        with pytest.raises(FileNotFoundError) as error:
+        with pytest.raises(FileNotFoundError) as error, DefaultScope.overwrite_default_scope(cfg.default_scope):
             DATASETS.build(dataset)
         message = str(error.value)
         assert str(tmp_path / 'nowhere') in message and where in message
@@ -226,12 +227,6 @@ def test_release_checkpoint_initialises_every_backbone_weight_and_warns_only_abo
 # ---------------------------------------------------------------- tools/train.py and tools/test.py
 
 
-def run(*command):
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, f'{" ".join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}'
-    return result.stdout + result.stderr
-
-
 def short_options(data_root, detection):
     """--cfg-options for a tiny set in data_root, four iterations, one validation and checkpoint."""
     options = ['train_cfg.max_iters=4', 'train_cfg.val_interval=4', 'default_hooks.checkpoint.interval=4',
@@ -259,8 +254,8 @@ def short_options(data_root, detection):
 def test_embedded_config_trains_and_tools_test_prints_the_toolbox_metrics(name, metrics, tmp_path):
     options = short_options(tmp_path / 'shapes', detection=name.startswith('mask-rcnn'))
     work_dir = tmp_path / 'work'
-    output = run(sys.executable, 'tools/train.py', f'configs/{name}', '--work-dir', str(work_dir),
-                 '--cfg-options', *options)
+    output = run_tool(sys.executable, 'tools/train.py', f'configs/{name}', '--work-dir', str(work_dir),
+                      '--cfg-options', *options, timeout=900)
     assert 'Iter(train) [4/4]' in output
     assert (tmp_path / 'shapes' / 'meta.json').is_file()
     checkpoint = work_dir / 'iter_4.pth'
@@ -269,8 +264,8 @@ def test_embedded_config_trains_and_tools_test_prints_the_toolbox_metrics(name, 
     assert 'tools/analyze.py' not in output  # the attention analysis is for classifiers
 
     out = tmp_path / 'metrics.json'
-    output = run(sys.executable, 'tools/test.py', f'configs/{name}', str(checkpoint), '--work-dir',
-                 str(tmp_path / 'test'), '--out', str(out), '--cfg-options', *options)
+    output = run_tool(sys.executable, 'tools/test.py', f'configs/{name}', str(checkpoint), '--work-dir',
+                      str(tmp_path / 'test'), '--out', str(out), '--cfg-options', *options, timeout=900)
     results = json.loads(out.read_text())
     for metric in metrics:
         assert metric in results and f'{metric}: ' in output

@@ -89,17 +89,17 @@ def test_mask_rcnn_trains_and_predicts_with_no_mmcv_kernel_but_the_routed_ones(m
     routed ones go to torchvision; losses and gradients match a run on mmcv's own kernels."""
     from mmdet.testing import demo_mm_inputs
     from mmengine.config import Config
-    from mmengine.registry import init_default_scope
+    from mmengine.registry import DefaultScope
     from mmdet.registry import MODELS
 
     cfg = Config.fromfile(REPO / 'configs' / 'mask-rcnn_pervit-t_shapes.py')
-    init_default_scope('mmdet')
     batch = demo_mm_inputs(batch_size=2, image_shapes=[(3, 128, 192)] * 2, num_items=[3, 2], num_classes=3,
                            with_mask=True)
 
     def step():
         torch.manual_seed(0)
-        model = MODELS.build(cfg.model)
+        with DefaultScope.overwrite_default_scope('mmdet'):  # restored after: other tests build in mmpretrain's
+            model = MODELS.build(cfg.model)
         data = model.data_preprocessor(batch, True)
         losses = model.loss(data['inputs'], data['data_samples'])
         total = sum(v for key, value in losses.items() if 'loss' in key

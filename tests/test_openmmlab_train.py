@@ -3,7 +3,6 @@ training, resuming, evaluating, two torchrun ranks on CPU, and the ImageNet reci
 generated images in the ImageNet layout."""
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +11,8 @@ import pytest
 import torch
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
+
+from conftest import run_tool
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -52,10 +53,7 @@ class GradientDigestHook(Hook):
 
 
 def run(*command, env=None):
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, **(env or {})))
-    assert result.returncode == 0, f'{" ".join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}'
-    return result.stdout + result.stderr
+    return run_tool(*command, timeout=600, env=env)
 
 
 def train(work_dir, *extra, epochs=EPOCHS):
