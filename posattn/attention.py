@@ -79,11 +79,11 @@ class Attention(nn.Module):
         """x: (B, N, C) with N = num_prefix_tokens + H * W; hw: (H, W) or a TokenGrid.
 
         ``key_mask``: None, or a bool (B, N) that is False for keys no query may attend to (padding
-        tokens of windowed attention); each sequence keeps at least one key.
+        tokens of windowed attention). A sequence with no key left attends to nothing: its
+        attention output is zero (the layer returns ``proj``'s bias), with zero gradients.
         """
         grid = TokenGrid.of(hw, self.num_prefix_tokens)
-        if x.dim() != 3:
-            raise ValueError(f'expected tokens (B, N, C), got shape {tuple(x.shape)}')
+        self._check_input(x)
         grid.check_num_tokens(x.shape[1])
         x = self.phi.tokens(x, grid)
         q, k, v = rearrange(self.qkv(x), 'b n (three h d) -> three b h n d',
@@ -99,6 +99,20 @@ class Attention(nn.Module):
         else:
             out = biased_attention(q, k, v, bias, key_mask)
         return self.proj_drop(self.proj(rearrange(out, 'b h n d -> b n (h d)')))
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if x.dim() != 3:
+            raise ValueError(f'expected tokens (B, N, C), got shape {tuple(x.shape)}')
+        if x.shape[-1] != self.qkv.in_features:
+            raise ValueError(f'got tokens with {x.shape[-1]} channels; this layer has dim {self.qkv.in_features}')
+        if x.dtype != self.qkv.weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(f'tokens are {x.dtype} but the layer\'s parameters are {self.qkv.weight.dtype}: '
+                            f'convert one to the other (model.to(dtype) or x.to(dtype)), or run under torch.autocast')
+
+    def __prepare_scriptable__(self) -> 'Attention':
+        raise RuntimeError('posattn layers do not support torch.jit.script (the Φp registry and the '
+                           'positional kernels are Python); use torch.compile(model), or '
+                           'torch.export.export(model, (example_input,)) for a graph')
 
     def extra_repr(self) -> str:
         return f'num_heads={self.num_heads}, head_dim={self.head_dim}, num_prefix_tokens={self.num_prefix_tokens}'

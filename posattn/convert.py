@@ -1,7 +1,15 @@
-"""Checkpoints of other code bases -> posattn's parameter layout, in one place.
+"""Checkpoint files, and the layouts of other code bases -> posattn's parameter layout, in one place.
 
-The models never see a foreign layout: :func:`posattn.create_model` (``checkpoint=path``) calls
-:func:`to_posattn_layout`, which recognises the layout and converts it here.
+:func:`read_checkpoint` is the one reader of checkpoint files (weights-only, with errors that say
+what a file is when it is not a checkpoint). The models never see a foreign layout:
+:func:`posattn.create_model` (``checkpoint=path``) calls :func:`to_posattn_layout`, which
+recognises the layout and converts it here.
+
+Classifiers trained through mmengine (``tools/train.py``): ``{'meta': ..., 'state_dict': ...}``
+with the backbone under ``backbone.model.`` and mmpretrain's linear head under ``head.fc.``;
+``to_posattn_layout`` keeps the backbone's keys and renames ``head.fc.*`` to ``head.*``. Reading
+such a file needs the types mmengine pickles beside the weights, which
+``integrations.openmmlab`` allows (:func:`allow_checkpoint_globals`) when it is imported.
 
 PerViT release (github.com/juhongm999/pervit), 294 entries per model, renamed one to one:
 
@@ -25,12 +33,57 @@ output, but posattn keeps them as parameters so that release checkpoints load wi
 """
 from __future__ import annotations
 
+import argparse
+import os
+import pickle
 import re
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ['pervit_from_release', 'is_pervit_release', 'to_posattn_layout', 'unwrap_state_dict']
+__all__ = ['read_checkpoint', 'allow_checkpoint_globals', 'pervit_from_release', 'is_pervit_release',
+           'is_mmengine_checkpoint', 'mmengine_to_posattn', 'to_posattn_layout', 'unwrap_state_dict']
+
+# DeiT-style training checkpoints (the PerViT release's among them) keep their argparse arguments
+# beside the weights: a plain attribute bag, safe to allow.
+_SAFE_GLOBALS: List[Any] = [argparse.Namespace]
+
+
+def allow_checkpoint_globals(safe_globals: Sequence[Any]) -> None:
+    """Let :func:`read_checkpoint` accept these classes and functions (``torch.serialization``'s
+    safe-globals entries) in every file it reads from now on, e.g. the types mmengine keeps in
+    its training checkpoints."""
+    _SAFE_GLOBALS.extend(g for g in safe_globals if g not in _SAFE_GLOBALS)
+
+
+def read_checkpoint(path: Union[str, os.PathLike], map_location: Any = 'cpu') -> Any:
+    """``torch.load(path, weights_only=True)`` with the allowed globals, and errors that say what
+    the file is: missing, empty, truncated, not a PyTorch file, or holding refused objects."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f'no checkpoint file at {path}')
+    size = os.path.getsize(path)
+    if size == 0:
+        raise ValueError(f'{path} is empty (0 bytes): not a checkpoint, perhaps a failed copy or save')
+    with open(path, 'rb') as f:
+        head = f.read(4)
+    zipped = head == b'PK\x03\x04'  # torch.save's format; older files are a bare pickle (0x80 first)
+    if not (zipped or head[:1] == b'\x80'):
+        raise ValueError(f'{path} is not a PyTorch checkpoint ({size} bytes starting {head!r})')
+    try:
+        with torch.serialization.safe_globals(_SAFE_GLOBALS):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        if 'mmengine' in str(error):
+            hint = ('it is a training checkpoint of mmengine (tools/train.py): import integrations.openmmlab '
+                    'first, which allows the types mmengine keeps beside the weights')
+        else:
+            hint = ('if you trust the file, load it yourself and torch.save its state_dict alone')
+        raise ValueError(f'{path} holds objects other than tensors and plain containers, which '
+                         f'weights-only loading refuses; {hint}.\n{error}') from error
+    except (EOFError, KeyError, IndexError, RuntimeError, AttributeError, ValueError) as error:
+        raise ValueError(f'{path} is a damaged or truncated PyTorch checkpoint ({size} bytes): '
+                         f'{type(error).__name__}: {error}') from error
 
 StateDict = Dict[str, torch.Tensor]
 
@@ -80,8 +133,36 @@ def pervit_from_release(checkpoint: Mapping[str, Any]) -> StateDict:
     return converted
 
 
+_MMENGINE_BACKBONE = 'backbone.model.'
+_MMENGINE_HEAD = 'head.fc.'
+
+
+def is_mmengine_checkpoint(checkpoint: Mapping[str, Any]) -> bool:
+    """Whether ``checkpoint`` is one mmengine wrote for posattn's backbones: a ``state_dict`` with
+    ``backbone.model.*`` keys."""
+    state_dict = checkpoint.get('state_dict') if isinstance(checkpoint, Mapping) else None
+    return isinstance(state_dict, Mapping) and any(k.startswith(_MMENGINE_BACKBONE) for k in state_dict)
+
+
+def mmengine_to_posattn(checkpoint: Mapping[str, Any]) -> StateDict:
+    """The posattn model inside an mmengine checkpoint of ``PosattnPerViT`` / ``PosattnViT``:
+    ``backbone.model.*`` without the prefix, mmpretrain's ``head.fc.*`` as ``head.*``. Other keys
+    (necks, detection or segmentation heads) are kept as they are, so that loading reports them."""
+    converted = {}
+    for key, value in checkpoint['state_dict'].items():
+        if key.startswith(_MMENGINE_BACKBONE):
+            key = key[len(_MMENGINE_BACKBONE):]
+        elif key.startswith(_MMENGINE_HEAD):
+            key = 'head.' + key[len(_MMENGINE_HEAD):]
+        converted[key] = value
+    return converted
+
+
 def to_posattn_layout(checkpoint: Mapping[str, Any]) -> Tuple[StateDict, str]:
-    """(state_dict in posattn's layout, the layout it was found in: 'PerViT release' or 'posattn')."""
+    """(state_dict in posattn's layout, the layout it was found in: 'PerViT release', 'mmengine'
+    or 'posattn')."""
+    if is_mmengine_checkpoint(checkpoint):
+        return mmengine_to_posattn(checkpoint), 'mmengine'
     state_dict = unwrap_state_dict(checkpoint)
     if is_pervit_release(state_dict):
         return pervit_from_release(state_dict), 'PerViT release'

@@ -9,7 +9,8 @@ at one tile whatever B * heads * N^2 is, and the gradient of a batch-free (1, he
 summed over the batch as it is produced.
 
 Both kernels take an optional boolean ``key_mask`` (B, N): keys marked False get logit -inf, so
-zero weight, exactly (padding of windowed attention, :mod:`posattn.window`).
+zero weight, exactly (padding of windowed attention, :mod:`posattn.window`). A sequence with no
+key left attends to nothing: its output is zero and its gradients are zero, on every path.
 """
 from __future__ import annotations
 
@@ -26,29 +27,46 @@ _BLOCK_ELEMENTS = 1 << 20
 _TILE_ROWS = 256
 
 
-def _key_mask_logits(key_mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """A boolean key mask (B, N), True = attend, as an additive logits term (B, 1, 1, N): 0 or -inf.
+def _check_bias(bias: Optional[torch.Tensor]) -> None:
+    if bias is not None and bias.dtype == torch.bool:
+        raise TypeError('bias is an additive float term of the logits; a bool tensor would add 0 or 1, '
+                        'not mask. Pass which keys to attend to as key_mask, a bool (B, N) that is True '
+                        'for keys to attend to')
 
-    Each sequence must keep at least one key, or its softmax rows are NaN (not checked here:
-    that would synchronise a GPU on every call).
+
+def _key_mask_terms(key_mask: torch.Tensor, q: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A boolean key mask (B, N), True = attend, as (additive logits term (B, 1, 1, N) of 0 or -inf,
+    whether each sequence keeps a key (B, 1, 1, 1)).
+
+    A sequence whose keys are all masked attends to nothing: its mask is lifted here so that its
+    softmax stays finite, and the caller zeroes its output, so its gradients are zero, not NaN.
+    Nothing is checked on the host (no GPU synchronisation).
     """
     batch, _, tokens, _ = q.shape
     if key_mask.dtype != torch.bool or tuple(key_mask.shape) != (batch, tokens):
         raise ValueError(f'key_mask must be a bool tensor of shape (B, N) = ({batch}, {tokens}), '
                          f'got {key_mask.dtype} of shape {tuple(key_mask.shape)}')
+    key_mask = key_mask.to(q.device)
+    has_key = key_mask.any(-1, keepdim=True)  # (B, 1)
     additive = torch.zeros(key_mask.shape, dtype=q.dtype, device=q.device)
-    return additive.masked_fill_(~key_mask.to(q.device), float('-inf'))[:, None, None, :]
+    additive.masked_fill_(~(key_mask | ~has_key), float('-inf'))
+    return additive[:, None, None, :], has_key[:, :, None, None]
 
 
 def attention_probs(q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor] = None,
                     key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + bias) over the keys ``key_mask`` keeps, materialised: (B, heads, N, N)."""
+    """softmax(q k^T / sqrt(d) + bias) over the keys ``key_mask`` keeps, materialised: (B, heads, N, N).
+
+    Rows of a sequence with no key left are zero.
+    """
+    _check_bias(bias)
     logits = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
     if bias is not None:
         logits = logits + bias
-    if key_mask is not None:
-        logits = logits + _key_mask_logits(key_mask, q)
-    return logits.softmax(dim=-1)
+    if key_mask is None:
+        return logits.softmax(dim=-1)
+    mask, has_key = _key_mask_terms(key_mask, q)
+    return (logits + mask).softmax(dim=-1).masked_fill(~has_key, 0.0)
 
 
 def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -60,14 +78,23 @@ def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q, k, v: (B, heads, N, d).
         bias: None or a tensor broadcastable to (B, heads, N, N) in q's dtype, e.g. a batch-free
             (1, heads, N, N) positional bias. It may require grad.
-        key_mask: None or a bool (B, N), False for keys that get no weight (logit -inf); each
-            sequence keeps at least one key. The CPU backward adds it per tile, so a batch-free
-            bias keeps its (1, heads, N, N) gradient.
+        key_mask: None or a bool (B, N), False for keys that get no weight (logit -inf). The CPU
+            backward adds it per tile, so a batch-free bias keeps its (1, heads, N, N) gradient.
+            A sequence with every key False gets a zero output.
 
     Returns:
         (B, heads, N, d) = softmax(q k^T / sqrt(d) + bias + mask) v.
     """
-    mask = None if key_mask is None else _key_mask_logits(key_mask, q)
+    _check_bias(bias)
+    if key_mask is None:
+        return _biased_attention(q, k, v, bias, None)
+    mask, has_key = _key_mask_terms(key_mask, q)
+    return _biased_attention(q, k, v, bias, mask).masked_fill(~has_key, 0.0)
+
+
+def _biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
+                      mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """:func:`biased_attention` with the key mask as an additive (B, 1, 1, N) term."""
     if bias is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     if bias.dim() > 4:
@@ -110,7 +137,7 @@ class _BiasedAttention(torch.autograd.Function):
     With P = softmax(S), S = q k^T / sqrt(d) + bias and upstream gradient dO:
         dV = P^T dO,   dP = dO V^T,   dS = P * (dP - rowsum(dO * O)),
         dQ = dS K / sqrt(d),   dK = dS^T Q / sqrt(d),   dbias = dS summed over broadcast dims.
-    ``mask``: None or a constant (B, 1, 1, N) term (:func:`_key_mask_logits`) added to S.
+    ``mask``: None or a constant (B, 1, 1, N) term (:func:`_key_mask_terms`) added to S.
     """
 
     @staticmethod

@@ -7,14 +7,32 @@ than guessing ``H = W = sqrt(N)``.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
+
+import torch
 
 __all__ = ['TokenGrid', 'GridLike']
 
 
 def _plural(count: int, noun: str) -> str:
     return f'{count} {noun}' + ('' if count == 1 else 's')
+
+
+def _is_integer(value: Any) -> bool:
+    """An int (Python's, numpy's or a compiler's symbolic one), not a bool."""
+    return isinstance(value, (numbers.Integral, torch.SymInt)) and not isinstance(value, bool)
+
+
+def _as_integer(value: Any, name: str) -> int:
+    """``value`` as an int when it is an integer or a 0-dim integer tensor; a TypeError otherwise."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not (
+            value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
+        return int(value)
+    if _is_integer(value):
+        return value if isinstance(value, (int, torch.SymInt)) else int(value)
+    raise TypeError(f'{name} must be an integer, got {value!r}')
 
 
 @dataclass(frozen=True)
@@ -32,9 +50,7 @@ class TokenGrid:
 
     def __post_init__(self):
         for name in ('height', 'width', 'num_prefix_tokens'):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f'TokenGrid.{name} must be an int, got {value!r}')
+            object.__setattr__(self, name, _as_integer(getattr(self, name), f'TokenGrid.{name}'))
         if self.height < 1 or self.width < 1:
             raise ValueError(
                 f'empty grid {self.height}x{self.width}: height and width must be at least 1')
@@ -50,11 +66,14 @@ class TokenGrid:
                     f'{hw} does not match this layer, which has '
                     f'{_plural(num_prefix_tokens, "extra token")}')
             return hw
+        if isinstance(hw, (str, bytes)):
+            raise TypeError(f'hw must be a (height, width) pair, got {hw!r}')
         try:
             height, width = hw
         except (TypeError, ValueError):
             raise TypeError(f'hw must be a (height, width) pair, got {hw!r}') from None
-        return cls(int(height), int(width), num_prefix_tokens)
+        return cls(_as_integer(height, 'the height in hw'), _as_integer(width, 'the width in hw'),
+                   num_prefix_tokens)
 
     @property
     def num_grid_tokens(self) -> int:

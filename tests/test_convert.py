@@ -191,3 +191,29 @@ def test_model_card_examples_run(tmp_path, monkeypatch):
     torch.save({'model': release, 'args': argparse.Namespace(model='pervit_small')}, 'pervit_small.pth')
     exec(compile(load, 'docs/models.md', 'exec'), namespace)
     assert torch.equal(namespace['model'].distance_embedding.weight, release['rpe_proj.weight'])
+
+
+def test_create_model_reads_the_classifiers_mmengine_writes(tmp_path):
+    # tools/train.py's layout: posattn's model under backbone.model., mmpretrain's head under head.fc.
+    trained = posattn.create_model('pervit_tiny', num_classes=6).eval()
+    weights = trained.state_dict()
+    state_dict = {('head.fc.' + k[len('head.'):]) if k.startswith('head.') else 'backbone.model.' + k: v
+                  for k, v in weights.items()}
+    path = tmp_path / 'epoch_10.pth'
+    torch.save({'meta': {'epoch': 10, 'iter': 940}, 'state_dict': state_dict, 'optimizer': {}}, path)
+    model = posattn.create_model('pervit_tiny', num_classes=6, checkpoint=path).eval()
+    images = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert torch.equal(model(images), trained(images))
+    with pytest.raises(ValueError, match=r'\(mmengine layout\) does not fit pervit_tiny:\n  only the classifier '
+                                         r'differs: pass num_classes=6'):
+        posattn.create_model('pervit_tiny', checkpoint=path)
+
+
+def test_a_detector_checkpoint_reports_what_is_not_the_backbone(tmp_path):
+    weights = {'backbone.model.' + k: v for k, v in posattn.create_model('pervit_tiny', num_classes=0).state_dict().items()}
+    weights['neck.lateral.weight'] = torch.zeros(4, 4)
+    path = tmp_path / 'detector.pth'
+    torch.save({'meta': {}, 'state_dict': weights}, path)
+    with pytest.raises(ValueError, match=r"unexpected keys \(1\): neck.lateral.weight"):
+        posattn.create_model('pervit_tiny', num_classes=0, checkpoint=path)

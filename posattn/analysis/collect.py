@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..attention import Attention
+from ..functional import _key_mask_terms
 from ..grid import TokenGrid
 from .metrics import REGIONS, impact, nonlocality, region_scores
 
@@ -36,14 +37,18 @@ class AttentionMaps:
     position: Optional[torch.Tensor]
 
 
-def attention_maps(q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor], grid: TokenGrid) -> AttentionMaps:
-    """Φc, Φa and Φp (module docstring) from a layer's q, k (B, heads, N, d) and logits bias.
+def attention_maps(q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor], grid: TokenGrid,
+                   key_mask: Optional[torch.Tensor] = None) -> AttentionMaps:
+    """Φc, Φa and Φp (module docstring) from a layer's q, k (B, heads, N, d), logits bias and key mask.
 
-    The softmax runs over all N keys, extra tokens included, as in the layer; the maps are then
-    cut to the grid's queries and keys.
+    The softmax runs over all N keys, extra tokens included, as in the layer, leaving out the keys
+    ``key_mask`` (B, N) marks False (padding of windowed attention); the maps are then cut to the
+    grid's queries and keys.
     """
     q, k = q.float(), k.float()
     logits = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    if key_mask is not None:
+        logits = logits + _key_mask_terms(key_mask, q)[0]
     inner = slice(grid.num_prefix_tokens, None)
     content = logits.softmax(-1)[..., inner, inner]
     if bias is None:
@@ -71,9 +76,9 @@ class _Hooks:
 
     def __enter__(self) -> '_Hooks':
         for name, layer in self.layers.items():
-            def hook(module, args, output, name=name):
-                self.record(name, attention_maps(*args))
-            self.handles.append(layer.logits_probe.register_forward_hook(hook))
+            def hook(module, args, kwargs, output, name=name):
+                self.record(name, attention_maps(*args, **kwargs))
+            self.handles.append(layer.logits_probe.register_forward_hook(hook, with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> None:

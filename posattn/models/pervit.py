@@ -180,7 +180,7 @@ class PerViT(nn.Module):
         self.distance_embedding = DistanceEmbedding(4 * num_heads)
         dims = [dim for dim, depth in zip(embed_dims, depths) for _ in range(depth)]
         out_dims = dims[1:] + dims[-1:]
-        drop_paths = torch.linspace(0, drop_path_rate, num_layers).tolist()
+        drop_paths = torch.linspace(0, drop_path_rate, num_layers, device='cpu').tolist()
         self.blocks = nn.ModuleList([
             PerViTBlock(dims[i], out_dims[i], num_heads,
                         PeripheralPhi(num_heads, layer_index=i, num_layers=num_layers,

@@ -1,18 +1,17 @@
 """Model names -> builders, behind ``posattn.create_model`` (timm's entry-point pattern)."""
 from __future__ import annotations
 
-import argparse
 import functools
 import os
-import pickle
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 from torch import nn
 
-from ..convert import to_posattn_layout
+from ..convert import read_checkpoint, to_posattn_layout
 
-__all__ = ['register_model', 'create_model', 'list_models']
+__all__ = ['register_model', 'create_model', 'list_models', 'load_weights', 'fitting_model',
+           'state_dict_mismatch']
 
 _MODELS: Dict[str, Callable[..., nn.Module]] = {}
 _LISTED = 8  # keys shown per kind of mismatch
@@ -42,51 +41,41 @@ def create_model(name: str, checkpoint: Optional[Union[str, os.PathLike]] = None
 
     Args:
         name: a registered model (``posattn.list_models()``).
-        checkpoint: path of weights to load, in posattn's layout or a foreign one that
-            :func:`posattn.convert.to_posattn_layout` recognises (the PerViT release's), as a
-            state_dict or a training checkpoint holding it under ``'model'``. Read with
-            ``torch.load(weights_only=True)`` and loaded strictly; a checkpoint that does not fit
-            raises a ValueError listing the missing, unexpected and mis-shaped keys and naming
-            the registered model it fits.
+        checkpoint: path of weights to load, in posattn's layout or one that
+            :func:`posattn.convert.to_posattn_layout` recognises (the PerViT release's, and the
+            classifiers that ``tools/train.py`` writes through mmengine), as a state_dict or a
+            training checkpoint holding it. Read weights-only (:func:`posattn.convert.read_checkpoint`)
+            and loaded strictly; a checkpoint that does not fit raises a ValueError listing the
+            missing, unexpected and mis-shaped keys and naming the registered model it fits.
         **kwargs: the builder's options (``num_classes``, ``drop_path_rate``, ...).
     """
     try:
         builder = _MODELS[name]
     except (KeyError, TypeError):
         raise ValueError(f'unknown model {name!r}; known: {", ".join(list_models()) or "none"}') from None
-    state_dict = _read_checkpoint(checkpoint) if checkpoint is not None else None
+    state_dict = read_checkpoint(checkpoint) if checkpoint is not None else None
     model = builder(**kwargs)
     if state_dict is not None:
         state_dict, layout = to_posattn_layout(state_dict)
-        _check_fits(model, name, state_dict, f'checkpoint {os.fspath(checkpoint)} ({layout} layout)')
-        model.load_state_dict(state_dict, strict=True)
+        load_weights(model, state_dict, source=f'checkpoint {os.fspath(checkpoint)} ({layout} layout)',
+                     target=name)
     return model
-
-
-def _read_checkpoint(path: Union[str, os.PathLike]) -> Mapping[str, Any]:
-    # DeiT-style training checkpoints (the PerViT release's among them) keep their argparse
-    # arguments beside the weights: a plain attribute bag, safe to allow.
-    try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            return torch.load(path, map_location='cpu', weights_only=True)
-    except pickle.UnpicklingError as error:
-        raise ValueError(f'{os.fspath(path)} holds objects other than tensors and plain containers, which '
-                         'weights-only loading refuses; if you trust the file, load it yourself and '
-                         'torch.save its state_dict alone') from error
 
 
 @functools.lru_cache(maxsize=None)
 def _default_shapes(name: str) -> Optional[Shapes]:
     try:
-        model = _MODELS[name]()
+        with torch.device('meta'):  # shapes only: no memory, no initialisation cost
+            model = _MODELS[name]()
     except Exception:  # a builder that needs arguments cannot be recognised from a checkpoint
         return None
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def _fitting_model(shapes: Shapes) -> Optional[str]:
-    """The registered model (default options) whose keys are exactly ``shapes``' and whose shapes
-    agree outside the classifier, or None."""
+def fitting_model(state_dict: Mapping[str, Any]) -> Optional[str]:
+    """The registered model (default options) whose keys are exactly ``state_dict``'s (in posattn's
+    layout) and whose shapes agree outside the classifier, or None."""
+    shapes = {k: tuple(getattr(v, 'shape', ())) for k, v in state_dict.items()}
     for name in list_models():
         expected = _default_shapes(name)
         if expected is not None and expected.keys() == shapes.keys() and all(
@@ -95,24 +84,57 @@ def _fitting_model(shapes: Shapes) -> Optional[str]:
     return None
 
 
-def _check_fits(model: nn.Module, name: str, state_dict: Mapping[str, Any], source: str) -> None:
-    """Raise a ValueError describing every difference between ``state_dict`` and ``model``'s."""
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    found = {k: tuple(getattr(v, 'shape', ())) for k, v in state_dict.items()}
+def _listed(label: str, items: List[str]) -> str:
+    more = f'; ... ({len(items) - _LISTED} more)' if len(items) > _LISTED else ''
+    return f'  {label} ({len(items)}): {"; ".join(items[:_LISTED])}{more}'
+
+
+def state_dict_mismatch(model: nn.Module, state_dict: Mapping[str, Any],
+                        ignore: Sequence[str] = ()) -> Tuple[List[str], List[str], List[str]]:
+    """(missing, unexpected, wrong-shape) keys of ``state_dict`` against ``model``'s, leaving out
+    keys that start with any prefix in ``ignore``."""
+    def kept(key: str) -> bool:
+        return not any(key.startswith(prefix) for prefix in ignore)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items() if kept(k)}
+    found = {k: tuple(getattr(v, 'shape', ())) for k, v in state_dict.items() if kept(k)}
     missing = [k for k in expected if k not in found]
     unexpected = [k for k in found if k not in expected]
     wrong = [k for k in expected if k in found and found[k] != expected[k]]
-    if not (missing or unexpected or wrong):
-        return
-    lines = [f'{source} does not fit {name}:']
-    fitting = _fitting_model(found)
-    if fitting is not None and fitting != name:
-        lines.append(f'  this is a {fitting} checkpoint: create_model({fitting!r}, checkpoint=...)')
-    elif not (missing or unexpected) and all(k.startswith('head.') for k in wrong) and 'head.weight' in found:
-        lines.append(f'  only the classifier differs: pass num_classes={found["head.weight"][0]}')
-    wrong = [f'{k}: checkpoint {found[k]}, model {expected[k]}' for k in wrong]
-    for label, items in (('missing keys', missing), ('unexpected keys', unexpected), ('wrong shapes', wrong)):
-        if items:
-            more = f'; ... ({len(items) - _LISTED} more)' if len(items) > _LISTED else ''
-            lines.append(f'  {label} ({len(items)}): {"; ".join(items[:_LISTED])}{more}')
-    raise ValueError('\n'.join(lines))
+    return missing, unexpected, wrong
+
+
+def load_weights(model: nn.Module, state_dict: Mapping[str, Any], *, source: str, target: str,
+                 strict: bool = True, ignore: Sequence[str] = ()) -> List[str]:
+    """Load ``state_dict`` (posattn's layout) into ``model``; the one place posattn checks a fit.
+
+    Args:
+        source: what the weights are, for messages (e.g. 'checkpoint x.pth (posattn layout)').
+        target: what receives them, for messages (a model name or a class).
+        strict: with True, any missing, unexpected or mis-shaped key raises a ValueError that
+            lists them and names the registered model the weights fit, if one does. With False,
+            every key that fits is loaded and the others are skipped.
+        ignore: key prefixes left out on both sides (e.g. ``('head.',)``: not loaded, not checked).
+
+    Returns:
+        The keys that were not loaded, each with the reason ('missing: ...', 'unexpected: ...',
+        'wrong shape: ...'); empty when everything fit.
+    """
+    missing, unexpected, wrong = state_dict_mismatch(model, state_dict, ignore)
+    model_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    wrong = [f'{k}: checkpoint {tuple(state_dict[k].shape)}, model {model_shapes[k]}' for k in wrong]
+    if strict and (missing or unexpected or wrong):
+        lines = [f'{source} does not fit {target}:']
+        fitting = fitting_model(state_dict)
+        if fitting is not None and fitting != target:
+            lines.append(f'  this is a {fitting} checkpoint: create_model({fitting!r}, checkpoint=...)')
+        elif not (missing or unexpected) and all(k.startswith('head.') for k in wrong) and 'head.weight' in state_dict:
+            lines.append(f'  only the classifier differs: pass num_classes={state_dict["head.weight"].shape[0]}')
+        for label, items in (('missing keys', missing), ('unexpected keys', unexpected), ('wrong shapes', wrong)):
+            if items:
+                lines.append(_listed(label, items))
+        raise ValueError('\n'.join(lines))
+    loadable = {k: v for k, v in state_dict.items()
+                if k in model_shapes and tuple(v.shape) == model_shapes[k] and not any(k.startswith(p) for p in ignore)}
+    model.load_state_dict(loadable, strict=False)
+    return ([f'missing: {k}' for k in missing] + [f'unexpected: {k}' for k in unexpected]
+            + [f'wrong shape: {entry}' for entry in wrong])

@@ -205,7 +205,7 @@ class VisionTransformer(nn.Module):
         num_tokens = self.num_prefix_tokens + self.grid_size[0] * self.grid_size[1]
         self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, embed_dim)) if pos_embed else None
         self.pos_drop = nn.Dropout(drop_rate)
-        drop_paths = torch.linspace(0, drop_path_rate, depth).tolist()
+        drop_paths = torch.linspace(0, drop_path_rate, depth, device='cpu').tolist()
         head_dim = embed_dim // num_heads
         self.blocks = nn.ModuleList([
             Block(embed_dim, num_heads,

@@ -28,13 +28,13 @@ v, A is summed into (B, heads, L, buckets) by bucket and multiplied by T_v.
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
+from .._cache import grid_constant
 from ..grid import GridLike, TokenGrid
 from .base import PositionalModule
 from .registry import register_phi
@@ -71,7 +71,7 @@ def num_buckets(method: str, ratio: float, skip: int) -> int:
     return (per_axis ** 2 if method == 'product' else per_axis) + (1 if skip > 0 else 0)
 
 
-@functools.lru_cache(maxsize=32)
+@grid_constant(maxsize=32)
 def bucket_ids(height: int, width: int, skip: int, method: str, ratio: float,
                device: torch.device = torch.device('cpu')) -> torch.Tensor:
     """Bucket ids (tables, L, L), L = skip + H * W, indexed [table, query, key]; cached.

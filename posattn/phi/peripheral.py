@@ -23,13 +23,13 @@ sharp Φp (z around -60) exact where the release's L1 normalisation loses the ro
 """
 from __future__ import annotations
 
-import functools
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._cache import ParameterValueCache, grid_constant
 from ..grid import TokenGrid
 from .base import PositionalModule
 from .registry import register_phi
@@ -52,8 +52,8 @@ def peripheral_init(layer_index: int, num_layers: int) -> Tuple[float, float]:
     """
     if not 0 <= layer_index < num_layers:
         raise ValueError(f'layer_index {layer_index} is outside 0..{num_layers - 1}')
-    bias = torch.linspace(-5.0, 4.0, num_layers, dtype=torch.float64)[layer_index].item()
-    weight = torch.linspace(3.0, 0.01, num_layers, dtype=torch.float64)[layer_index].item()
+    bias = torch.linspace(-5.0, 4.0, num_layers, dtype=torch.float64, device='cpu')[layer_index].item()
+    weight = torch.linspace(3.0, 0.01, num_layers, dtype=torch.float64, device='cpu')[layer_index].item()
     return bias, weight
 
 
@@ -92,7 +92,7 @@ def _box_means(maps: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return sums / (rows * cols)
 
 
-@functools.lru_cache(maxsize=16)
+@grid_constant(maxsize=16)
 def _grid_moments(height: int, width: int, device: torch.device) -> Tuple[torch.Tensor, ...]:
     """What PP1 and IN1 need from the grid alone, in float64.
 
@@ -283,10 +283,10 @@ class DistanceEmbedding(nn.Module):
 class PeripheralPhi(PositionalModule):
     """PerViT's peripheral Φp: a batch-free logits bias logsigmoid(z) shared by the batch.
 
-    Pairs involving prefix (class) tokens get no bias. At eval, and whenever no gradient can
-    reach the parameters, the bias is cached per (H, W, prefix tokens, dtype, device); the key
-    includes every parameter's version counter, so optimiser steps and ``load_state_dict``
-    invalidate it, and ``train()`` clears it.
+    Pairs involving prefix (class) tokens get no bias. In eval mode, whenever no gradient can
+    reach the parameters (``torch.no_grad()``, a frozen Φp), the bias is cached per (H, W, prefix
+    tokens, dtype, device) under the current values of the parameters, so it is never stale
+    however they change (:class:`posattn._cache.ParameterValueCache`); ``train()`` empties it.
 
     Args:
         num_heads: attention heads; the distance embedding and hidden maps have 4 * heads
@@ -324,8 +324,7 @@ class PeripheralPhi(PositionalModule):
         self.proj2_bias = nn.Parameter(torch.zeros(num_heads))
         self.norm2_weight = nn.Parameter(torch.full((num_heads,), strength))  # v_l: strength
         self.norm2_bias = nn.Parameter(torch.full((num_heads,), size))  # s_l: size
-        self._cache: Dict[tuple, torch.Tensor] = {}
-        self.register_load_state_dict_post_hook(lambda module, keys: module._cache.clear())
+        self._cache = ParameterValueCache(_CACHE_ENTRIES)
 
     def _weights(self) -> Tuple[torch.Tensor, ...]:
         return (self.distance_embedding.weight, self.distance_embedding.bias, self.proj1_weight,
@@ -348,25 +347,14 @@ class PeripheralPhi(PositionalModule):
             bias = F.pad(bias, (prefix, 0, prefix, 0))
         return bias.to(dtype).unsqueeze(0)  # (1, heads, N, N)
 
-    def _cacheable(self) -> bool:
-        if self.training or torch.compiler.is_compiling():
-            return False
-        return not (torch.is_grad_enabled() and any(w.requires_grad for w in self._weights()))
-
     def logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
-        if not self._cacheable():
+        weights = self._weights()
+        if self.training or (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
             return self._bias(grid, q.dtype)
-        key = (grid, q.dtype, q.device, torch.is_inference_mode_enabled(),
-               tuple((w.data_ptr(), w._version) for w in self._weights()))
-        bias = self._cache.get(key)
-        if bias is None:
-            while len(self._cache) >= _CACHE_ENTRIES:
-                self._cache.pop(next(iter(self._cache)))
-            bias = self._cache[key] = self._bias(grid, q.dtype)
-        return bias
+        return self._cache.get((grid, q.dtype, q.device), weights, lambda: self._bias(grid, q.dtype))
 
     def train(self, mode: bool = True) -> 'PeripheralPhi':
-        self._cache.clear()
+        self._cache.clear()  # training recomputes the bias every step
         return super().train(mode)
 
     def extra_repr(self) -> str:
