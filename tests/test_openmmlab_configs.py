@@ -75,6 +75,7 @@ def test_imagenet_missing_data_error_says_where_and_what_to_try(tmp_path):
         DATASETS.build(dataset)
     message = str(error.value)
     assert f'ImageNet train not found at {tmp_path / "imagenet" / "train"}' in message
+    assert f'{tmp_path / "imagenet"}/train/<wnid>/*.JPEG' in message and '{data_root}' not in message
     assert 'python tools/train.py configs/pervit_t_shapes.py' in message
 
 

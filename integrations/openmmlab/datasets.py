@@ -63,7 +63,7 @@ class CheckedImageNet(ImageNet):
 
     def __init__(self, data_root: str = '', split: str = '', data_prefix: Optional[str] = None, **kwargs: Any):
         folder = os.path.join(data_root, data_prefix if data_prefix is not None else split)
-        require_data(folder, f'ImageNet {split or "images"}', IMAGENET_LAYOUT,
+        require_data(folder, f'ImageNet {split or "images"}', IMAGENET_LAYOUT.format(data_root=data_root or '.'),
                      'train_dataloader.dataset.data_root=/path/ (and val_dataloader.dataset.data_root)',
                      EMBEDDED_CONFIG)
         kwargs.update(data_root=data_root, split=split)
