@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 
 __all__ = ['TokenGrid', 'GridLike']
 
@@ -82,6 +83,18 @@ class TokenGrid:
     @property
     def num_tokens(self) -> int:
         return self.num_prefix_tokens + self.num_grid_tokens
+
+    def positions(self, device: Optional[torch.device] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(row, column) of every grid token, each (H*W,) int64 in row-major order."""
+        rows = torch.arange(self.height, device=device).repeat_interleave(self.width)
+        cols = torch.arange(self.width, device=device).repeat(self.height)
+        return rows, cols
+
+    def pad_prefix(self, grid_bias: torch.Tensor) -> torch.Tensor:
+        """A bias over grid pairs (..., H*W, H*W) as one over all pairs (..., N, N): zero wherever a
+        prefix token is the query or the key."""
+        prefix = self.num_prefix_tokens
+        return F.pad(grid_bias, (prefix, 0, prefix, 0)) if prefix else grid_bias
 
     def check_num_tokens(self, num_tokens: int) -> None:
         """Raise a ValueError naming the expected count when ``num_tokens`` does not fit the grid."""

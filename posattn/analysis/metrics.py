@@ -31,8 +31,7 @@ FIELD_ANGLE = 220.0
 def token_distances(grid: TokenGrid, device: torch.device = torch.device('cpu'),
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """||q - k|| between grid positions in token units: (P, P), row-major positions."""
-    rows = torch.arange(grid.height, device=device, dtype=torch.float64).repeat_interleave(grid.width)
-    cols = torch.arange(grid.width, device=device, dtype=torch.float64).repeat(grid.height)
+    rows, cols = (axis.double() for axis in grid.positions(device))
     offsets = torch.stack([rows[:, None] - rows[None], cols[:, None] - cols[None]])
     return offsets.square().sum(0).sqrt().to(dtype)
 

@@ -1,8 +1,8 @@
 """``irpe``: image relative position encoding (Wu et al., ICCV 2021, "Rethinking and Improving
 Relative Position Encoding for Vision Transformer"), as the authors' release computes it.
 
-Tokens are ``skip`` extra tokens, then an H x W grid in row-major order. A grid pair (i, j) with
-offset (dr, dc) = p_i - p_j (query minus key) falls in a bucket id(i, j) (Sec. 3.2-3.3):
+Tokens are ``num_prefix_tokens`` extra tokens, then an H x W grid in row-major order. A grid
+pair (i, j) with offset (dr, dc) = p_i - p_j (query minus key) falls in a bucket id(i, j) (Sec. 3.2-3.3):
 
     g(x) = x                                                          |x| <= alpha
     g(x) = sign(x) min(round(alpha + ln(|x| / alpha) / ln(gamma / alpha) (beta - alpha)), beta)
@@ -65,16 +65,16 @@ def _axis_buckets(ratio: float) -> int:
     return 2 * int(2.0 * ratio) + 1
 
 
-def num_buckets(method: str, ratio: float, skip: int) -> int:
+def num_buckets(method: str, ratio: float, num_prefix_tokens: int) -> int:
     """Buckets of one table: 2b + 1 ((2b + 1)^2 for product), plus one shared by the extra tokens."""
     per_axis = _axis_buckets(ratio)
-    return (per_axis ** 2 if method == 'product' else per_axis) + (1 if skip > 0 else 0)
+    return (per_axis ** 2 if method == 'product' else per_axis) + (1 if num_prefix_tokens > 0 else 0)
 
 
 @grid_constant(maxsize=32)
-def bucket_ids(height: int, width: int, skip: int, method: str, ratio: float,
+def bucket_ids(height: int, width: int, num_prefix_tokens: int, method: str, ratio: float,
                device: torch.device = torch.device('cpu')) -> torch.Tensor:
-    """Bucket ids (tables, L, L), L = skip + H * W, indexed [table, query, key]; cached.
+    """Bucket ids (tables, L, L), L = num_prefix_tokens + H * W, indexed [table, query, key]; cached.
 
     One table for euc, quant and product, two (rows, columns) for cross. Pairs involving an extra
     token get the last bucket. A pure function of its arguments, which are the cache key.
@@ -92,13 +92,14 @@ def bucket_ids(height: int, width: int, skip: int, method: str, ratio: float,
         per_offset = [(piecewise_index(dr, ratio) + b) * (2 * b + 1) + piecewise_index(dc, ratio) + b]
     else:
         raise ValueError(f'unknown iRPE method {method!r}; choose one of {", ".join(METHODS)}')
-    rows, cols = torch.arange(height).repeat_interleave(width), torch.arange(width).repeat(height)
+    rows, cols = TokenGrid(height, width).positions()
     offset_rows = rows[:, None] - rows[None] + height - 1  # (HW, HW) query minus key, shifted to >= 0
     offset_cols = cols[:, None] - cols[None] + width - 1
     grid_ids = torch.stack(per_offset)[:, offset_rows, offset_cols]
-    tokens = skip + height * width
-    ids = torch.full((len(grid_ids), tokens, tokens), num_buckets(method, ratio, skip) - 1, dtype=torch.long)
-    ids[:, skip:, skip:] = grid_ids
+    tokens = num_prefix_tokens + height * width
+    shared_bucket = num_buckets(method, ratio, num_prefix_tokens) - 1
+    ids = torch.full((len(grid_ids), tokens, tokens), shared_bucket, dtype=torch.long)
+    ids[:, num_prefix_tokens:, num_prefix_tokens:] = grid_ids
     return ids.to(device)
 
 
@@ -125,7 +126,7 @@ class IRPE(PositionalModule):
     """iRPE on q, k and/or v of one attention layer; at init it contributes exactly zero.
 
     Defaults are those of the published DeiT-iRPE-K models: contextual product method on k,
-    ratio 1.9, one table shared by the heads, with ``skip=1`` for the class token.
+    ratio 1.9, one table shared by the heads, with ``num_prefix_tokens=1`` for the class token.
 
     Args:
         num_heads: attention heads.
@@ -136,11 +137,12 @@ class IRPE(PositionalModule):
         on: which of q, k, v get a table: 'q', 'k', 'v', 'qk', 'kv' or 'qkv'; v needs ctx mode.
         shared_head: one table for all heads (True) or one per head.
         ratio: alpha of the piecewise index; ratio 1.9 gives 7 buckets per axis.
-        skip: extra tokens before the grid; must equal the attention layer's prefix tokens.
+        num_prefix_tokens: extra tokens before the grid (the release's ``skip``); the attention
+            layer's own count.
     """
 
     def __init__(self, num_heads: int, head_dim: int, method: str = 'product', mode: str = 'ctx',
-                 on: str = 'k', shared_head: bool = True, ratio: float = 1.9, skip: int = 0):
+                 on: str = 'k', shared_head: bool = True, ratio: float = 1.9, num_prefix_tokens: int = 0):
         super().__init__()
         if method not in METHODS:
             raise ValueError(f'unknown iRPE method {method!r}; choose one of {", ".join(METHODS)}')
@@ -153,12 +155,13 @@ class IRPE(PositionalModule):
                              f"or on={on.replace('v', '') or 'k'!r}")
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 0:
             raise ValueError(f'iRPE ratio must be a number > 0, got {ratio!r}')
-        if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
-            raise ValueError(f'iRPE skip (extra tokens before the grid) must be an int >= 0, got {skip!r}')
+        if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
+            raise ValueError(f'iRPE num_prefix_tokens (extra tokens before the grid) must be an int >= 0, '
+                             f'got {num_prefix_tokens!r}')
         self.num_heads, self.head_dim = num_heads, head_dim
         self.method, self.mode, self.on = method, mode, on
-        self.shared_head, self.ratio, self.skip = shared_head, float(ratio), skip
-        self.num_buckets = num_buckets(method, self.ratio, skip)
+        self.shared_head, self.ratio, self.num_prefix_tokens = shared_head, float(ratio), num_prefix_tokens
+        self.num_buckets = num_buckets(method, self.ratio, num_prefix_tokens)
         self.uses_attention_probs = 'v' in on
         for target in on:
             if method == 'cross':
@@ -186,11 +189,11 @@ class IRPE(PositionalModule):
 
     def _grid(self, hw: GridLike) -> TokenGrid:
         if isinstance(hw, TokenGrid):
-            if hw.num_prefix_tokens != self.skip:
-                raise ValueError(f'iRPE built with skip={self.skip} got a {hw}: build it with '
-                                 f'skip={hw.num_prefix_tokens}, the number of extra tokens')
+            if hw.num_prefix_tokens != self.num_prefix_tokens:
+                raise ValueError(f'iRPE built with num_prefix_tokens={self.num_prefix_tokens} got a {hw}: '
+                                 f'build it with num_prefix_tokens={hw.num_prefix_tokens}, the number of extra tokens')
             return hw
-        return TokenGrid.of(hw, self.skip)
+        return TokenGrid.of(hw, self.num_prefix_tokens)
 
     def term(self, on: str, x: torch.Tensor, hw: GridLike) -> torch.Tensor:
         """The iRPE term on one of q, k, v (module docstring).
@@ -201,7 +204,7 @@ class IRPE(PositionalModule):
                 'v' with x = attention probabilities (B, heads, L, L) -> (B, heads, L, d),
                 added to the attention output.
             x: see ``on``.
-            hw: (H, W) of the grid (``skip`` extra tokens come first), or a TokenGrid.
+            hw: (H, W) of the grid (``num_prefix_tokens`` extra tokens come first), or a TokenGrid.
         """
         tables = self._tables(on)
         grid = self._grid(hw)
@@ -213,7 +216,7 @@ class IRPE(PositionalModule):
             grid.check_num_tokens(x.shape[-1])
         elif self.mode == 'ctx' and x.shape[-1] != self.head_dim:
             raise ValueError(f'iRPE term on {on!r} expects head_dim {self.head_dim}, got shape {tuple(x.shape)}')
-        ids = bucket_ids(grid.height, grid.width, self.skip, self.method, self.ratio, x.device)
+        ids = bucket_ids(grid.height, grid.width, self.num_prefix_tokens, self.method, self.ratio, x.device)
         terms = [self._table_term(on, x, table.to(x.dtype), table_ids) for table, table_ids in zip(tables, ids)]
         return terms[0] if len(terms) == 1 else terms[0] + terms[1]
 
@@ -266,10 +269,12 @@ class IRPE(PositionalModule):
                     raise ValueError(
                         f'iRPE table {target}.{name} has shape {tuple(tensor.shape)}; expected '
                         f'{expected[name]} for method={self.method!r}, mode={self.mode!r}, ratio={self.ratio}, '
-                        f'skip={self.skip}, shared_head={self.shared_head} ({self.num_buckets} buckets)')
+                        f'num_prefix_tokens={self.num_prefix_tokens}, shared_head={self.shared_head} '
+                        f'({self.num_buckets} buckets)')
             for name, param in module.named_parameters():
                 param.copy_(named[name])
 
     def extra_repr(self) -> str:
         return (f'method={self.method!r}, mode={self.mode!r}, on={self.on!r}, shared_head={self.shared_head}, '
-                f'ratio={self.ratio}, skip={self.skip}, num_buckets={self.num_buckets}')
+                f'ratio={self.ratio}, num_prefix_tokens={self.num_prefix_tokens}, '
+                f'num_buckets={self.num_buckets}')

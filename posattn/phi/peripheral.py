@@ -83,6 +83,16 @@ def _windows(canvas: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return canvas.unfold(1, height + 2, 1).unfold(2, width + 2, 1)
 
 
+def _windows_adjoint(grad_windows: torch.Tensor, canvas_shape: torch.Size) -> torch.Tensor:
+    """The gradient of a canvas given its :func:`_windows`' gradient (hidden, r, W, H+2, W+2):
+    every window adds its gradient back where it was read, overlaps summed. The two unfolds'
+    own adjoints, applied in reverse order (what autograd would run, without building a graph)."""
+    hidden, starts, width, rows, cols = grad_windows.shape
+    row_windows = torch.ops.aten.unfold_backward(
+        grad_windows, (hidden, starts, canvas_shape[2], rows), 2, cols, 1)  # (hidden, r, 2W+1, H+2)
+    return torch.ops.aten.unfold_backward(row_windows, tuple(canvas_shape), 1, rows, 1)
+
+
 def _box_means(maps: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """Mean of every (H+2) x (W+2) window of (..., 2H+1, 2W+1) maps, from an integral image."""
     integral = F.pad(maps.cumsum(-2).cumsum(-1), (1, 0, 1, 0))
@@ -218,18 +228,14 @@ class _LogPeripheralAttention(torch.autograd.Function):
             grad_products = _flipped_products_grad(grad_maps.view(-1, queries, height, width))
             flat_hidden = hidden.view(hidden_dim, -1)
             grad_proj2 += _flip_offsets(grad_products @ flat_hidden.t())
-            grad_hidden = torch.ops.aten.threshold_backward(
-                _flip_offsets(proj2).t() @ grad_products, flat_hidden, 0)
+            grad_hidden = (_flip_offsets(proj2).t() @ grad_products).mul_(flat_hidden > 0)  # through ReLU
             grad_hidden = grad_hidden.view(hidden.shape)
             chunk_windows = windows[:, rows]  # (hidden, r, W, H+2, W+2)
             grad_scale[:, rows] = (grad_hidden * chunk_windows).sum((-2, -1))
             grad_shift[:, rows] = grad_hidden.sum((-2, -1))
             grad_windows = grad_hidden.mul_(scale[:, rows, :, None, None])
             covered = slice(rows.start, rows.stop + height + 1)
-            with torch.enable_grad():
-                part = canvas[:, covered].detach().requires_grad_()
-                grad_canvas[:, covered] += torch.autograd.grad(
-                    _windows(part, height, width), part, grad_windows)[0]
+            grad_canvas[:, covered] += _windows_adjoint(grad_windows, canvas[:, covered].shape)
         ctx.activations = None
         return (grad_canvas, grad_scale, grad_shift, grad_proj2, grad_proj2_bias, grad_norm2_weight,
                 grad_norm2_bias)
@@ -341,10 +347,7 @@ class PeripheralPhi(PositionalModule):
         return torch.exp(self.log_position_attention(height, width))
 
     def _bias(self, grid: TokenGrid, dtype: torch.dtype) -> torch.Tensor:
-        bias = self.log_position_attention(grid.height, grid.width)
-        prefix = grid.num_prefix_tokens
-        if prefix:
-            bias = F.pad(bias, (prefix, 0, prefix, 0))
+        bias = grid.pad_prefix(self.log_position_attention(grid.height, grid.width))
         return bias.to(dtype).unsqueeze(0)  # (1, heads, N, N)
 
     def logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
