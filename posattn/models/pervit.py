@@ -39,8 +39,8 @@ from ..grid import TokenGrid
 from ..phi.peg import PositionEncodingGenerator
 from ..phi.peripheral import DistanceEmbedding, PeripheralPhi
 from ..window import GridWindows
+from .layers import DropPath, Mlp
 from .registry import register_model
-from .vit import DropPath, Mlp
 
 __all__ = ['PerViT', 'PerViTBlock', 'ConvStem', 'PERVIT_LAYOUTS', 'pervit_tiny', 'pervit_small',
            'pervit_medium']

@@ -30,43 +30,10 @@ from torch import nn
 from ..attention import Attention
 from ..grid import TokenGrid
 from ..phi import PositionalModule, build_layer_phi, build_phi
+from .layers import DropPath, Mlp, PatchEmbed
 from .registry import register_model
 
-__all__ = ['VisionTransformer', 'Block', 'Mlp', 'DropPath', 'PatchEmbed', 'resize_pos_embed',
-           'vit_tiny', 'vit_small', 'vit_base']
-
-
-class DropPath(nn.Module):
-    """Stochastic depth (Huang et al. 2016): drop a sample's residual branch with probability p."""
-
-    def __init__(self, drop_prob: float = 0.0):
-        super().__init__()
-        self.drop_prob = drop_prob
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.drop_prob == 0.0 or not self.training:
-            return x
-        keep = 1.0 - self.drop_prob
-        mask = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep)
-        return x * mask / keep
-
-    def extra_repr(self) -> str:
-        return f'drop_prob={self.drop_prob}'
-
-
-class Mlp(nn.Module):
-    """fc2(drop(GELU(fc1(x)))), then dropout; fc2 maps to ``out_dim`` (default ``dim``)."""
-
-    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0, out_dim: Optional[int] = None):
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden_dim)
-        self.act = nn.GELU()
-        self.drop1 = nn.Dropout(drop)
-        self.fc2 = nn.Linear(hidden_dim, out_dim or dim)
-        self.drop2 = nn.Dropout(drop)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+__all__ = ['VisionTransformer', 'Block', 'resize_pos_embed', 'vit_tiny', 'vit_small', 'vit_base']
 
 
 class Block(nn.Module):
@@ -99,26 +66,6 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
         x = x + self.drop_path1(self.attn(self.norm1(x), grid))
         return x + self.drop_path2(self.mlp(self.norm2(x)))
-
-
-class PatchEmbed(nn.Module):
-    """Non-overlapping patches: a stride-``patch_size`` convolution, (B, C, H, W) -> tokens and grid.
-
-    Inputs whose sides are not multiples of the patch size are rejected rather than cropped.
-    """
-
-    def __init__(self, patch_size: int, in_chans: int, embed_dim: int):
-        super().__init__()
-        self.patch_size = patch_size
-        self.proj = nn.Conv2d(in_chans, embed_dim, patch_size, patch_size)
-
-    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, int]]:
-        height, width = x.shape[-2:]
-        if height % self.patch_size or width % self.patch_size:
-            raise ValueError(f'input of {height}x{width} pixels does not split into {self.patch_size}-pixel '
-                             f'patches; resize or pad it to a multiple of {self.patch_size}')
-        x = self.proj(x)
-        return rearrange(x, 'b c h w -> b (h w) c'), (x.shape[-2], x.shape[-1])
 
 
 def resize_pos_embed(pos_embed: torch.Tensor, old_hw: Tuple[int, int], new_hw: Tuple[int, int],
@@ -170,9 +117,9 @@ class VisionTransformer(nn.Module):
         pos_embed: learned absolute position embedding added after the patch embedding.
         peg_after: indices of the blocks after which a PEG (CPVT) runs on the tokens.
         phi: the Φp of every attention layer, by registered name (``posattn.list_phis()``).
-        phi_cfg: its options; ``dim``, ``num_heads``, ``head_dim``, ``layer_index``,
-            ``num_layers`` and ``skip`` (= prefix tokens) are filled in per layer where the Φp
-            takes them and ``phi_cfg`` does not set them.
+        phi_cfg: its options; what each layer knows (``dim``, ``num_heads``, ``head_dim``,
+            ``num_prefix_tokens``, ``layer_index``, ``num_layers``) is filled in where the Φp
+            takes it and ``phi_cfg`` does not set it (:func:`posattn.phi.build_layer_phi`).
         drop_rate: dropout after the position embedding, attention projections and MLPs.
         attn_drop_rate: dropout on attention probabilities.
         drop_path_rate: stochastic depth, rising linearly to this rate over the blocks.
@@ -206,11 +153,10 @@ class VisionTransformer(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, embed_dim)) if pos_embed else None
         self.pos_drop = nn.Dropout(drop_rate)
         drop_paths = torch.linspace(0, drop_path_rate, depth, device='cpu').tolist()
-        head_dim = embed_dim // num_heads
         self.blocks = nn.ModuleList([
             Block(embed_dim, num_heads,
-                  build_layer_phi(phi, phi_cfg, dim=embed_dim, num_heads=num_heads, head_dim=head_dim,
-                                  layer_index=i, num_layers=depth, skip=self.num_prefix_tokens),
+                  build_layer_phi(phi, phi_cfg, dim=embed_dim, num_heads=num_heads,
+                                  num_prefix_tokens=self.num_prefix_tokens, layer_index=i, num_layers=depth),
                   mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, drop_paths[i], self.num_prefix_tokens)
             for i in range(depth)])
         self.pegs = nn.ModuleDict({str(i): build_phi('peg', dim=embed_dim) for i in peg_after})
