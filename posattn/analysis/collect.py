@@ -142,11 +142,39 @@ class LayerMeasures:
             self._sums[key] = self._sums[key] + total if key in self._sums else total
         self.num_samples += maps.content.shape[0]
 
-    def __getattr__(self, key: str) -> Optional[torch.Tensor]:
-        if key not in MEASURES:
-            raise AttributeError(key)
-        total = self.__dict__['_sums'].get(key)
+    def _mean(self, key: str) -> Optional[torch.Tensor]:
+        total = self._sums.get(key)
         return None if total is None else (total / self.num_samples).float()
+
+    @property
+    def nonlocality_position(self) -> Optional[torch.Tensor]:
+        """Ω of Φp per head (Eq. 13); None without a positional bias."""
+        return self._mean('nonlocality_position')
+
+    @property
+    def nonlocality_content(self) -> Optional[torch.Tensor]:
+        """Ω of Φc per head."""
+        return self._mean('nonlocality_content')
+
+    @property
+    def nonlocality_mixed(self) -> Optional[torch.Tensor]:
+        """Ω of Φa per head."""
+        return self._mean('nonlocality_mixed')
+
+    @property
+    def impact_position(self) -> Optional[torch.Tensor]:
+        """Ψp per head (Eq. 12); None without a positional bias."""
+        return self._mean('impact_position')
+
+    @property
+    def impact_content(self) -> Optional[torch.Tensor]:
+        """Ψc per head."""
+        return self._mean('impact_content')
+
+    @property
+    def region_scores(self) -> Optional[torch.Tensor]:
+        """(heads, 4): the bracket of Eq. 11 per region; None without a positional bias."""
+        return self._mean('region_scores')
 
     @property
     def regions(self) -> Optional[List[str]]:
