@@ -45,8 +45,9 @@ class Attention(nn.Module):
         dim: token channels C.
         num_heads: attention heads; must divide ``dim``.
         phi: a registered Φp name (``posattn.list_phis()``) or a built :class:`PositionalModule`.
-        phi_cfg: options of the named Φp; ``dim``, ``num_heads``, ``head_dim`` and ``skip`` (the
-            prefix token count) are filled in from this layer where the Φp takes them.
+        phi_cfg: options of the named Φp; what the layer knows (``dim``, ``num_heads``,
+            ``head_dim``, ``num_prefix_tokens``) is filled in where the Φp takes it
+            (:func:`posattn.phi.build_layer_phi`).
         qkv_bias: bias on the qkv projection.
         attn_drop: dropout on the attention probabilities (materialises them while training).
         proj_drop: dropout after the output projection.
@@ -68,7 +69,7 @@ class Attention(nn.Module):
             self.phi = phi
         else:
             self.phi = build_layer_phi(phi, phi_cfg, dim=dim, num_heads=num_heads,
-                                       head_dim=self.head_dim, skip=num_prefix_tokens)
+                                       num_prefix_tokens=num_prefix_tokens)
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.attn_drop = nn.Dropout(attn_drop)
         self.proj = nn.Linear(dim, dim)

@@ -99,7 +99,7 @@ def as_lists(phi, tables):
 def test_matches_release_fixture():
     fixture = load_fixture('irpe_ctx_product_shared_k_14x14_skip1.pt')
     phi = posattn.build_phi('irpe', num_heads=3, head_dim=64, method='product', mode='ctx', on='k',
-                            shared_head=True, ratio=1.9, skip=1)
+                            shared_head=True, ratio=1.9, num_prefix_tokens=1)
     phi.load_release_tables({'k': {'lookup_table_weight': fixture['lookup_table_weight']}})
     assert torch.equal(bucket_ids(14, 14, 1, 'product', 1.9)[0], fixture['bucket_ids'])
     with torch.no_grad():
@@ -111,7 +111,7 @@ def test_matches_release_fixture():
 def test_buckets_per_axis(ratio, per_axis):
     cross = bucket_ids(25, 25, 0, 'cross', ratio)  # offsets up to 24 reach beta
     assert cross[0].unique().numel() == per_axis and cross[1].unique().numel() == per_axis
-    product = posattn.build_phi('irpe', num_heads=1, head_dim=4, ratio=ratio, skip=1)
+    product = posattn.build_phi('irpe', num_heads=1, head_dim=4, ratio=ratio, num_prefix_tokens=1)
     assert product.num_buckets == per_axis ** 2 + 1
 
 
@@ -142,7 +142,7 @@ CASES = [(method, mode, on, shared) for method in METHODS for mode in ('bias', '
 def test_layer_equals_reference(method, mode, on, shared):
     height, width, skip = 3, 5, 2
     layer = Attention(16, 2, phi='irpe', num_prefix_tokens=skip, phi_cfg=dict(
-        method=method, mode=mode, on=on, shared_head=shared, ratio=1.2, skip=skip)).double()
+        method=method, mode=mode, on=on, shared_head=shared, ratio=1.2, num_prefix_tokens=skip)).double()
     tables = random_tables(layer.phi, torch.Generator().manual_seed(len(on) + 7 * shared))
     layer.phi.load_release_tables(tables)
     x = torch.randn(2, skip + height * width, 16, dtype=torch.float64)
@@ -155,7 +155,7 @@ def test_layer_equals_reference(method, mode, on, shared):
 def test_term_orientation(mode, on):
     """term('q') is [b, h, query, key]; term('v') is added to the output; both per the reference."""
     phi = posattn.build_phi('irpe', num_heads=2, head_dim=4, method='product', mode=mode, on=on,
-                            shared_head=False, ratio=1.9, skip=1).double()
+                            shared_head=False, ratio=1.9, num_prefix_tokens=1).double()
     tables = random_tables(phi, torch.Generator().manual_seed(3))
     phi.load_release_tables(tables)
     (table,) = as_lists(phi, tables)[on]
@@ -176,7 +176,7 @@ def test_term_orientation(mode, on):
 
 
 def test_zero_tables_are_the_plain_layer():
-    layer = Attention(16, 2, phi='irpe', phi_cfg=dict(on='qkv', shared_head=False, skip=1),
+    layer = Attention(16, 2, phi='irpe', phi_cfg=dict(on='qkv', shared_head=False, num_prefix_tokens=1),
                       num_prefix_tokens=1)
     plain = Attention(16, 2, num_prefix_tokens=1)
     plain.load_state_dict({k: v for k, v in layer.state_dict().items() if not k.startswith('phi.')})
@@ -187,12 +187,12 @@ def test_zero_tables_are_the_plain_layer():
 
 def test_bias_mode_is_batch_free_and_any_grid_size():
     phi = posattn.build_phi('irpe', num_heads=4, head_dim=8, method='euc', mode='bias', on='qk',
-                            shared_head=False, skip=1)
+                            shared_head=False, num_prefix_tokens=1)
     q = torch.randn(3, 4, 1 + 7 * 9, 8)
     assert phi.logits_bias(q, q, TokenGrid(7, 9, 1)).shape == (1, 4, 64, 64)
     q = torch.randn(3, 4, 1 + 14 * 14, 8)
     assert phi.logits_bias(q, q, TokenGrid(14, 14, 1)).shape == (1, 4, 197, 197)
-    shared = posattn.build_phi('irpe', num_heads=4, head_dim=8, mode='bias', skip=1)
+    shared = posattn.build_phi('irpe', num_heads=4, head_dim=8, mode='bias', num_prefix_tokens=1)
     assert shared.logits_bias(q, q, TokenGrid(14, 14, 1)).shape == (1, 1, 197, 197)
 
 
@@ -201,7 +201,7 @@ def test_bias_mode_is_batch_free_and_any_grid_size():
 def test_gradcheck(method, mode, on):
     """Gradients of the input and of every parameter, tables included, on a 2 x 3 grid with a class token."""
     layer = Attention(8, 2, phi='irpe', num_prefix_tokens=1, phi_cfg=dict(
-        method=method, mode=mode, on=on, shared_head=False, ratio=0.9, skip=1)).double()
+        method=method, mode=mode, on=on, shared_head=False, ratio=0.9, num_prefix_tokens=1)).double()
     layer.phi.load_release_tables(random_tables(layer.phi, torch.Generator().manual_seed(1)))
     names = [n for n, _ in layer.named_parameters()]
     params = tuple(p.detach().clone().requires_grad_() for _, p in layer.named_parameters())
@@ -221,7 +221,7 @@ def test_gradcheck(method, mode, on):
     (dict(mode='bias', on='kv'), "iRPE has no bias mode on v \\(on='kv'\\): use mode='ctx', or on='k'"),
     (dict(ratio=0), 'iRPE ratio must be a number > 0, got 0'),
     (dict(ratio=-1.9), 'iRPE ratio must be a number > 0, got -1.9'),
-    (dict(skip=-1), 'iRPE skip .* must be an int >= 0, got -1'),
+    (dict(num_prefix_tokens=-1), 'iRPE num_prefix_tokens .* must be an int >= 0, got -1'),
 ])
 def test_bad_options(cfg, message):
     with pytest.raises(ValueError, match=message):
@@ -229,9 +229,9 @@ def test_bad_options(cfg, message):
 
 
 def test_tables_of_the_wrong_shape_name_the_expected_one():
-    phi = posattn.build_phi('irpe', num_heads=3, head_dim=64, skip=1)
+    phi = posattn.build_phi('irpe', num_heads=3, head_dim=64, num_prefix_tokens=1)
     with pytest.raises(ValueError, match=r'iRPE table k.lookup_table_weight has shape \(1, 64, 49\); '
-                                         r'expected \(1, 64, 50\) for .*skip=1.*\(50 buckets\)'):
+                                         r'expected \(1, 64, 50\) for .*num_prefix_tokens=1.*\(50 buckets\)'):
         phi.load_release_tables({'k': {'lookup_table_weight': torch.zeros(1, 64, 49)}})
     with pytest.raises(ValueError, match=r"iRPE on 'k' needs tables for \['k'\], got \['q'\]"):
         phi.load_release_tables({'q': {'lookup_table_weight': torch.zeros(1, 64, 50)}})
@@ -245,11 +245,11 @@ def test_tables_of_the_wrong_shape_name_the_expected_one():
 
 
 def test_extra_tokens_must_agree_with_skip():
-    layer = Attention(16, 2, phi='irpe', phi_cfg=dict(skip=0), num_prefix_tokens=1)
-    with pytest.raises(ValueError, match='iRPE built with skip=0 got a 3x4 grid with 1 extra token: '
-                                         'build it with skip=1'):
+    layer = Attention(16, 2, phi='irpe', phi_cfg=dict(num_prefix_tokens=0), num_prefix_tokens=1)
+    with pytest.raises(ValueError, match='iRPE built with num_prefix_tokens=0 got a 3x4 grid with 1 extra token: '
+                                         'build it with num_prefix_tokens=1'):
         layer(torch.randn(2, 13, 16), (3, 4))
-    phi = posattn.build_phi('irpe', num_heads=2, head_dim=8, skip=1)
+    phi = posattn.build_phi('irpe', num_heads=2, head_dim=8, num_prefix_tokens=1)
     with pytest.raises(ValueError, match='got 12 tokens for a 3x4 grid with 1 extra token; expected 13'):
         phi.term('k', torch.randn(2, 2, 12, 8), (3, 4))
     with pytest.raises(ValueError, match="this iRPE has tables on 'k', not on 'v'"):

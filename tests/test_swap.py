@@ -62,7 +62,7 @@ def test_same_parameters_not_copies():
     qkv = model.blocks[1].attn.qkv.weight
     swap_attention(model, phi='irpe', method='product', mode='ctx', on='k')
     assert model.blocks[1].attn.qkv.weight is qkv
-    assert model.blocks[1].attn.phi.skip == 1 and model.blocks[1].attn.phi.num_heads == 2
+    assert model.blocks[1].attn.phi.num_prefix_tokens == 1 and model.blocks[1].attn.phi.num_heads == 2
 
 
 def test_grid_follows_the_input_and_matches_posattn_vit():

@@ -51,7 +51,7 @@ def test_table2_rows_are_one_argument_apart():
     assert params['cpvt'] - params['deit'] == 5 * (9 * 192 + 192) - 197 * 192
     assert params['irpe'] - params['deit'] == 12 * 64 * 50  # one (1, 64, 50) table per layer
     irpe = rows['irpe'].blocks[3].attn.phi
-    assert (irpe.skip, irpe.num_buckets, irpe.method, irpe.mode, irpe.on) == (1, 50, 'product', 'ctx', 'k')
+    assert (irpe.num_prefix_tokens, irpe.num_buckets, irpe.method, irpe.mode, irpe.on) == (1, 50, 'product', 'ctx', 'k')
     first, last = rows['ppe'].blocks[0].attn.phi, rows['ppe'].blocks[11].attn.phi
     assert first.norm2_bias[0].item() == -5.0 and last.norm2_bias[0].item() == 4.0  # layer-dependent init
     x = torch.randn(1, 3, 48, 64)

@@ -152,9 +152,9 @@ def swap_attention(model: nn.Module, phi: str = 'peripheral', **phi_cfg: Any) ->
     Args:
         model: a timm or torchvision ``VisionTransformer``, changed in place.
         phi: the Φp of every layer, by registered name; 'none' reproduces the original model.
-        **phi_cfg: its options; ``dim``, ``num_heads``, ``head_dim``, ``layer_index``,
-            ``num_layers`` and ``skip`` (= the model's prefix tokens) are filled in per layer
-            where the Φp takes them.
+        **phi_cfg: its options; what each layer knows (``dim``, ``num_heads``, ``head_dim``,
+            ``num_prefix_tokens``, ``layer_index``, ``num_layers``) is filled in where the Φp
+            takes it (:func:`posattn.phi.build_layer_phi`).
 
     Returns:
         ``model``, whose attention layers now hold the same q/k/v and projection parameters.
@@ -173,8 +173,8 @@ def swap_attention(model: nn.Module, phi: str = 'peripheral', **phi_cfg: Any) ->
         old = getattr(parent, name)
         weight = qkv_weight(old)  # (3 * dim, dim)
         dim, num_heads = weight.shape[1], old.num_heads
-        built_phi = build_layer_phi(phi, phi_cfg, dim=dim, num_heads=num_heads, head_dim=dim // num_heads,
-                                    layer_index=index, num_layers=len(sites), skip=num_prefix_tokens)
+        built_phi = build_layer_phi(phi, phi_cfg, dim=dim, num_heads=num_heads, num_prefix_tokens=num_prefix_tokens,
+                                    layer_index=index, num_layers=len(sites))
         layer = adapter(dim, num_heads, phi=built_phi.to(weight.device, weight.dtype),
                         num_prefix_tokens=num_prefix_tokens, qkv_bias=False)
         take_weights(old, layer)

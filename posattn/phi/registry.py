@@ -54,12 +54,16 @@ def build_phi(name: str, **cfg: Any) -> PositionalModule:
     return cls(**cfg)
 
 
-def build_layer_phi(name: str, phi_cfg: Optional[Mapping[str, Any]], **layer: Any) -> PositionalModule:
-    """Build a Φp for an attention layer.
+def build_layer_phi(name: str, phi_cfg: Optional[Mapping[str, Any]], *, dim: int, num_heads: int,
+                    num_prefix_tokens: int = 0, layer_index: int = 0, num_layers: int = 1) -> PositionalModule:
+    """Build the Φp of one attention layer, telling it what the layer knows.
 
-    ``layer`` holds what the layer knows (``dim``, ``num_heads``, ``head_dim``); each of these is
-    passed only when the Φp's constructor takes it and ``phi_cfg`` does not set it.
+    The layer's ``dim``, ``num_heads``, ``head_dim`` (= dim / num_heads), ``num_prefix_tokens`` and
+    its place among the model's layers (``layer_index`` of ``num_layers``) are passed to the Φp's
+    constructor where it takes them and ``phi_cfg`` does not set them.
     """
+    layer = dict(dim=dim, num_heads=num_heads, head_dim=dim // num_heads, num_prefix_tokens=num_prefix_tokens,
+                 layer_index=layer_index, num_layers=num_layers)
     cfg = dict(phi_cfg or {})
     options = _options(phi_class(name))
     for key, value in layer.items():
