@@ -55,7 +55,8 @@ if [ "${FORCE_CUDA:-0}" = 1 ]; then
     kernels="C++ and CUDA ops (arch list: ${TORCH_CUDA_ARCH_LIST:-the default of torch})"
     # torch's headers include the CUDA libraries' (cusparse.h, cublas_v2.h, ...), which a bare
     # toolkit may lack: the copies pip installed with torch come after the toolkit's own.
-    cuda_headers=$("$PYTHON" -c 'import glob, nvidia; print(next(iter(glob.glob(nvidia.__path__[0] + "/cu*/include")), ""))' 2>/dev/null || true)
+    cuda_headers=$("$PYTHON" -c 'import glob, os, nvidia
+print(next((os.path.dirname(p) for p in sorted(glob.glob(nvidia.__path__[0] + "/*/include/cusparse.h"))), ""))' 2>/dev/null || true)
     if [ -n "$cuda_headers" ]; then export CPATH=${CPATH:+$CPATH:}$cuda_headers; fi
 fi
 echo "Building mmcv $MMCV_VERSION with its $kernels for torch $torch_version on $py_tag," \
