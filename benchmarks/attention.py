@@ -151,7 +151,7 @@ def run(args) -> List[Dict[str, object]]:
 
 
 # iRPE as in the DeiT-iRPE-K models: contextual product method on k, one table shared by the heads.
-IRPE_K = dict(method='product', mode='ctx', on='k', shared_head=True, ratio=1.9, skip=1)
+IRPE_K = dict(method='product', mode='ctx', on='k', shared_head=True, ratio=1.9)
 
 
 def plugin_rows(args) -> List[Dict[str, object]]:
