@@ -5,8 +5,8 @@
 
 Prints a table and saves ``benchmarks/results/attention-<device>-<dtype>.json``. Each ratio
 compares two variants timed round-robin in this process (median of ``--repeat`` rounds).
-The release's Φp is re-implemented here the straightforward way (4 * heads distance channels
-through PP1 for every query, ``nn.GroupNorm``) as the baseline the shortcuts are measured against.
+The baseline of the Φp rows is the release's computation as ``posattn.reference`` states it (the
+full distance embedding, all 4 * heads channels through PP1 for every query, instance norms).
 """
 from __future__ import annotations
 
@@ -17,45 +17,14 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import peak_memory_mb, print_table, save_json, time_interleaved  # noqa: E402
 
-from posattn import Attention, TokenGrid  # noqa: E402
+from posattn import Attention, TokenGrid, reference  # noqa: E402
 from posattn.functional import biased_attention  # noqa: E402
 
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16}
-
-
-class ReleasePhi(nn.Module):
-    """Φp computed as the PerViT release does: the full (N', N', 4 * heads) distance embedding of
-    the 2-padded grid, queries cropped to the inner grid, then conv-GroupNorm-ReLU-conv-GroupNorm-
-    sigmoid with every query a batch item."""
-
-    def __init__(self, num_heads: int, height: int, width: int):
-        super().__init__()
-        channels = 4 * num_heads
-        rows = torch.cat([torch.linspace(-1, 1, height), 1 + 2 / (height - 1) * torch.arange(1, 3)])
-        rows = torch.cat([-1 - 2 / (height - 1) * torch.arange(2, 0, -1), rows])
-        cols = torch.cat([torch.linspace(-1, 1, width), 1 + 2 / (width - 1) * torch.arange(1, 3)])
-        cols = torch.cat([-1 - 2 / (width - 1) * torch.arange(2, 0, -1), cols])
-        coords = torch.stack(torch.meshgrid(rows, cols, indexing='ij'), -1).reshape(-1, 2)
-        self.register_buffer('distances', (coords[None] - coords[:, None]).norm(dim=-1, keepdim=True))
-        self.height, self.width = height, width
-        self.rpe_proj = nn.Linear(1, channels)
-        self.conv1 = nn.Conv2d(channels, channels, 3)
-        self.gn1 = nn.GroupNorm(channels, channels)
-        self.conv2 = nn.Conv2d(channels, num_heads, 3)
-        self.gn2 = nn.GroupNorm(num_heads, num_heads)
-
-    def forward(self) -> torch.Tensor:
-        hp, wp = self.height + 4, self.width + 4
-        x = rearrange(self.rpe_proj(self.distances), '(i j) (k l) d -> d i j k l', i=hp, j=wp, k=hp, l=wp)
-        x = rearrange(x[:, 2:-2, 2:-2], 'd i j k l -> (i j) d k l')
-        x = self.gn2(self.conv2(F.relu(self.gn1(self.conv1(x)))))
-        return torch.sigmoid(rearrange(x, '(i j) h k l -> () h (i j) (k l)', i=self.height, j=self.width))
 
 
 def fwd_bwd(forward: Callable[[], torch.Tensor], upstream: torch.Tensor) -> Callable[[], None]:
@@ -109,13 +78,13 @@ def run(args) -> List[Dict[str, object]]:
             args, memory=True))
 
         phi = layers['peripheral'].phi
-        release = ReleasePhi(heads, size, size).to(device)
         phi_upstream = torch.randn(1, heads, tokens, tokens, device=device)
         q = torch.empty(1, heads, tokens, dim // heads, device=device)
         minimum = 1.7 if size <= 14 else 2.0
         rows.append(compare(
             'Φp fwd+bwd', size,
-            {'release': fwd_bwd(release, phi_upstream),
+            {'release': fwd_bwd(lambda: reference.peripheral_position_attention(size, size, *phi.weights()),
+                                phi_upstream[0]),
              'posattn': fwd_bwd(lambda: phi.logits_bias(q, q, grid), phi_upstream)},
             f'speed-up >= {minimum}x', lambda r, m=minimum: r['A/B time'] >= m, args, memory=True))
 
@@ -157,7 +126,7 @@ IRPE_K = dict(method='product', mode='ctx', on='k', shared_head=True, ratio=1.9)
 def plugin_rows(args) -> List[Dict[str, object]]:
     """The layer with PEG or iRPE-K against plain attention, fwd+bwd, with a class token."""
     device, dtype = args.device, DTYPES[args.dtype]
-    batch, dim, heads = args.batch, args.dim, args.heads
+    dim, heads = args.dim, args.heads
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     rows = []
     for size in args.grids:

@@ -29,16 +29,16 @@ from typing import Callable, Dict, List
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import ReleasePhi  # noqa: E402
 from common import peak_memory_mb, print_table, save_json, time_interleaved  # noqa: E402
 
 import posattn  # noqa: E402
+from posattn import reference  # noqa: E402
 from posattn.grid import TokenGrid  # noqa: E402
+from posattn.phi.peripheral import PeripheralPhi  # noqa: E402
 
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16}
 STEM_STRIDE = 16
@@ -53,32 +53,19 @@ FLOP_MAPPING = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdp
 
 
 class ReleaseMPA(nn.Module):
-    """The release's Multi-head Peripheral Attention, as it computes it, for one fixed grid.
-
-    out = proj(normalize_L1(exp(S - rowmax S) * Φp) V), S = q k^T / sqrt(d), with Φp recomputed on
-    every call (:class:`ReleasePhi`). Built from a posattn layer so both start from the same weights.
-    """
+    """A posattn peripheral layer computed as the release computes it, for one fixed grid:
+    Φp recomputed on every call, then ``normalize(exp(S - max S) * Φp, p=1) V`` and the projection
+    (``posattn.reference``), with the layer's own parameters."""
 
     def __init__(self, layer: posattn.Attention, height: int, width: int):
         super().__init__()
-        self.num_heads = layer.num_heads
-        self.qkv, self.proj = copy.deepcopy(layer.qkv), copy.deepcopy(layer.proj)
-        self.phi = ReleasePhi(layer.num_heads, height, width)
-        source = layer.phi
-        with torch.no_grad():
-            for target, value in ((self.phi.rpe_proj.weight, source.distance_embedding.weight),
-                                  (self.phi.rpe_proj.bias, source.distance_embedding.bias),
-                                  (self.phi.conv1.weight, source.proj1_weight), (self.phi.conv1.bias, source.proj1_bias),
-                                  (self.phi.gn1.weight, source.norm1_weight), (self.phi.gn1.bias, source.norm1_bias),
-                                  (self.phi.conv2.weight, source.proj2_weight), (self.phi.conv2.bias, source.proj2_bias),
-                                  (self.phi.gn2.weight, source.norm2_weight), (self.phi.gn2.bias, source.norm2_bias)):
-                target.copy_(value)
+        self.layer, self.height, self.width = layer, height, width
 
     def forward(self, x: torch.Tensor, hw: TokenGrid) -> torch.Tensor:
-        q, k, v = rearrange(self.qkv(x), 'b n (three h d) -> three b h n d', three=3, h=self.num_heads)
-        scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
-        attn = F.normalize(torch.exp(scores - scores.amax(-1, keepdim=True)) * self.phi(), p=1, dim=-1)
-        return self.proj(rearrange(attn @ v, 'b h n d -> b n (h d)'))
+        layer = self.layer
+        phi = reference.peripheral_position_attention(self.height, self.width, *layer.phi.weights())
+        return reference.peripheral_attention(x, layer.qkv.weight, layer.qkv.bias, layer.proj.weight,
+                                              layer.proj.bias, layer.num_heads, phi)
 
 
 def with_release_mpa(model: nn.Module, image_size: int) -> nn.Module:
@@ -126,8 +113,9 @@ def gmac(model: nn.Module, images: torch.Tensor, phi_counted: bool, attention_co
 
 
 def release_phi_gmac(num_heads: int, side: int, num_layers: int) -> float:
+    weights = PeripheralPhi(num_heads).weights()
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        ReleasePhi(num_heads, side, side)()
+        reference.peripheral_position_attention(side, side, *weights)
     return counter.get_total_flops() / 2 * num_layers / 1e9
 
 

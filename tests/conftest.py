@@ -37,6 +37,22 @@ def weights_recipe():
     return recipe
 
 
+# (scale, shift) of the random peripheral Φp parameters, in PeripheralPhi.weights() order: w, its
+# bias, PP1, its bias, IN1 weight and bias, PP2, its bias, IN2 weight and bias. The dead biases are
+# random too: they must not matter.
+_PERIPHERAL_RANDOM = ((0.5, 0.0), (0.5, 0.0), (1 / 12, 0.0), (0.1, 0.0), (0.1, 1.0), (0.1, 0.0),
+                      (1 / 12, 0.0), (0.1, 0.0), (0.5, 1.0), (1.5, 0.0))
+
+
+def randomise_peripheral(phi, seed):
+    """Fill a PeripheralPhi's parameters with seeded random values (drawn in float64); returns it."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param, (scale, shift) in zip(phi.weights(), _PERIPHERAL_RANDOM):
+            param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float64) * scale + shift)
+    return phi
+
+
 def run_tool(*command, timeout, env=None):
     """Run ``command`` from the repository root (e.g. ``sys.executable, 'tools/train.py', ...``) and
     return its stdout + stderr; a non-zero exit fails the test with the tail of both."""

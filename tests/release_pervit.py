@@ -1,9 +1,9 @@
 """The PerViT release model re-written for the tests from `../shared/spec/pervit.md`, float64.
 
 It is independent of posattn's model code: the release's module names (so a release-layout
-state_dict loads into it with ``strict=True``), its literal Φp (``reference.release_phi``: the full
-distance tensor, every channel, every dead bias) and its L1-normalised attention
-(``reference.release_attention``). It is validated against the Tiny fixture in
+state_dict loads into it with ``strict=True``), its literal Φp
+(``posattn.reference.peripheral_position_attention``: the full distance tensor, every channel,
+every dead bias) and its L1-normalised attention (``posattn.reference.peripheral_attention``). It is validated against the Tiny fixture in
 ``test_convert.py`` and is then the reference for Small and Medium, for which no fixture exists.
 
     model = ReleasePerViT('small').double().eval()
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from reference import release_attention, release_phi
+from posattn.reference import peripheral_attention, peripheral_position_attention
 
 # heads, stage dims, conv-stem dims (spec "PerViT models"; paper Table A5)
 LAYOUTS = {
@@ -97,11 +97,9 @@ class ReleasePerViT(nn.Module):
 
     def phi_p(self, block, height, width):
         a = block.attn.activation
-        weights = dict(rpe_w=self.rpe_proj.weight, rpe_b=self.rpe_proj.bias,
-                       conv1_w=a.conv1.weight, conv1_b=a.conv1.bias, gn1_w=a.gn1.weight,
-                       gn1_b=a.gn1.bias, conv2_w=a.conv2.weight, conv2_b=a.conv2.bias,
-                       gn2_w=a.gn2.weight, gn2_b=a.gn2.bias)
-        return release_phi(height, width, weights)  # (heads, HW, HW)
+        return peripheral_position_attention(  # (heads, HW, HW)
+            height, width, self.rpe_proj.weight, self.rpe_proj.bias, a.conv1.weight, a.conv1.bias,
+            a.gn1.weight, a.gn1.bias, a.conv2.weight, a.conv2.bias, a.gn2.weight, a.gn2.bias)
 
     @torch.no_grad()
     def forward(self, images):
@@ -114,7 +112,7 @@ class ReleasePerViT(nn.Module):
             grid = x.transpose(1, 2).reshape(x.shape[0], -1, height, width)
             cpe = block.conv.proj(grid).flatten(2).transpose(1, 2)
             qkv_bias = torch.zeros(block.attn.to_qkv.weight.shape[0], dtype=x.dtype)
-            x = x + release_attention(block.norm1(cpe), block.attn.to_qkv.weight, qkv_bias,
+            x = x + peripheral_attention(block.norm1(cpe), block.attn.to_qkv.weight, qkv_bias,
                                       block.attn.proj.weight, block.attn.proj.bias,
                                       self.num_heads, phi_ps[i], 0)
             residual = block.res_path(x) if hasattr(block, 'res_path') else x

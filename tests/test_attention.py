@@ -6,15 +6,21 @@ from torch.func import functional_call
 import posattn
 from posattn import Attention, TokenGrid
 
-from reference import (load_release_weights, random_release_weights, release_attention,
-                       release_phi, softmax_attention)
+from posattn.reference import peripheral_attention, peripheral_position_attention, softmax_attention
+
+from conftest import randomise_peripheral
 
 
 def peripheral_layer(dim=16, num_heads=2, num_prefix_tokens=1, seed=0, dtype=torch.float64):
     layer = Attention(dim, num_heads, phi='peripheral', num_prefix_tokens=num_prefix_tokens).to(dtype)
-    weights = random_release_weights(num_heads, torch.Generator().manual_seed(seed), dtype)
-    load_release_weights(layer.phi, weights)
-    return layer, weights
+    randomise_peripheral(layer.phi, seed)
+    return layer
+
+
+def release_phi(layer, height, width):
+    """The layer's Φp computed the straightforward way (posattn.reference)."""
+    with torch.no_grad():
+        return peripheral_position_attention(height, width, *layer.phi.weights())
 
 
 def layer_weights(layer):
@@ -23,9 +29,9 @@ def layer_weights(layer):
 
 @pytest.mark.parametrize('height,width,prefix', [(4, 5, 1), (3, 3, 0), (1, 6, 2), (5, 2, 1)])
 def test_peripheral_equals_release_formula(height, width, prefix):
-    layer, weights = peripheral_layer(num_prefix_tokens=prefix, seed=height + width)
+    layer = peripheral_layer(num_prefix_tokens=prefix, seed=height + width)
     x = torch.randn(3, prefix + height * width, 16, dtype=torch.float64)
-    expected = release_attention(x, *layer_weights(layer), 2, release_phi(height, width, weights), prefix)
+    expected = peripheral_attention(x, *layer_weights(layer), 2, release_phi(layer, height, width), prefix)
     torch.testing.assert_close(layer(x, (height, width)), expected, rtol=1e-10, atol=1e-12)
 
 
@@ -39,7 +45,7 @@ def test_none_equals_plain_softmax_attention():
 
 def test_gradcheck_through_layer_and_phi_parameters():
     """Gradients of the input and of every parameter, Φp included, on a 3 x 4 grid with a class token."""
-    layer, _ = peripheral_layer(dim=8, num_heads=2, num_prefix_tokens=1)
+    layer = peripheral_layer(dim=8, num_heads=2, num_prefix_tokens=1)
     names = [n for n, _ in layer.named_parameters()]
     params = tuple(p.detach().clone().requires_grad_() for _, p in layer.named_parameters())
     x = torch.randn(2, 13, 8, dtype=torch.float64, requires_grad=True)
@@ -50,7 +56,7 @@ def test_gradcheck_through_layer_and_phi_parameters():
 
 
 def test_phi_does_not_depend_on_the_batch():
-    layer, _ = peripheral_layer()
+    layer = peripheral_layer()
     x = torch.randn(4, 21, 16, dtype=torch.float64)
     together = layer(x, (4, 5))
     for i in range(4):
@@ -64,14 +70,12 @@ def test_phi_does_not_depend_on_the_batch():
 
 def test_sharp_phi_stays_exact_where_release_formula_fails():
     """z around -60: the release's L1 normalisation clamps at 1e-12 and loses the rows."""
-    layer, weights = peripheral_layer(dim=16, num_heads=2, num_prefix_tokens=0, seed=4)
+    layer = peripheral_layer(dim=16, num_heads=2, num_prefix_tokens=0, seed=4)
     with torch.no_grad():
         layer.phi.norm2_bias.fill_(-60.0)
         layer.phi.norm2_weight.fill_(2.0)
-    weights = dict(weights, gn2_b=torch.full((2,), -60.0, dtype=torch.float64),
-                   gn2_w=torch.full((2,), 2.0, dtype=torch.float64))
     x = torch.randn(2, 20, 16, dtype=torch.float64)
-    log_phi = torch.log(release_phi(4, 5, weights))
+    log_phi = torch.log(release_phi(layer, 4, 5))
     assert log_phi.max() < -50
     expected = softmax_attention(x, *layer_weights(layer), 2, log_phi)
     layer32 = Attention(16, 2, phi='peripheral').float()
@@ -79,12 +83,12 @@ def test_sharp_phi_stays_exact_where_release_formula_fails():
     out32 = layer32(x.float(), (4, 5))
     assert torch.isfinite(out32).all()
     torch.testing.assert_close(out32.double(), expected, rtol=1e-4, atol=1e-5)
-    release = release_attention(x, *layer_weights(layer), 2, release_phi(4, 5, weights), 0)
+    release = peripheral_attention(x, *layer_weights(layer), 2, release_phi(layer, 4, 5), 0)
     assert (release - expected).abs().max() > 1e-2
 
 
 def test_float32_layer_tracks_float64_layer():
-    layer64, _ = peripheral_layer(dim=32, num_heads=4, num_prefix_tokens=1, seed=8)
+    layer64 = peripheral_layer(dim=32, num_heads=4, num_prefix_tokens=1, seed=8)
     layer32 = Attention(32, 4, phi='peripheral', num_prefix_tokens=1)
     layer32.load_state_dict({k: v.float() for k, v in layer64.state_dict().items()})
     x = torch.randn(2, 1 + 14 * 14, 32, dtype=torch.float64)

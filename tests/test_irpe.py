@@ -1,6 +1,4 @@
 """iRPE: the release fixture, float64 references for every method / mode / target, gradients, errors."""
-import math
-
 import pytest
 import torch
 from torch.func import functional_call
@@ -8,76 +6,18 @@ from torch.func import functional_call
 import posattn
 from posattn import Attention, TokenGrid
 from posattn.phi.irpe import bucket_ids
+from posattn.reference import irpe_attention, irpe_bucket_ids
 
 from conftest import load_fixture
 
 METHODS = ['euc', 'quant', 'cross', 'product']
 
 
-# --- float64 references, one pair at a time -------------------------------------------------
+# --- float64 references (posattn.reference) ------------------------------------------------
 
-def reference_index(x, ratio):
-    """g(x) of iRPE Eq. 18, in Python floats."""
-    alpha, beta, gamma = ratio, 2 * ratio, 8 * ratio
-    if abs(x) <= alpha:
-        return int(x)
-    compressed = round(alpha + math.log(abs(x) / alpha) / math.log(gamma / alpha) * (beta - alpha))
-    return int(math.copysign(min(compressed, beta), x))
-
-
-def reference_ids(height, width, skip, method, ratio):
-    """[table][query][key] bucket ids, pair by pair."""
-    b = int(2 * ratio)
-    per_axis = 2 * b + 1
-    extra = (per_axis ** 2 if method == 'product' else per_axis)
-    tables = 2 if method == 'cross' else 1
-    tokens = skip + height * width
-    ids = [[[extra] * tokens for _ in range(tokens)] for _ in range(tables)]
-    for i in range(height * width):
-        for j in range(height * width):
-            dr, dc = i // width - j // width, i % width - j % width
-            if method == 'euc':
-                values = [reference_index(round(math.sqrt(dr * dr + dc * dc)), ratio) + b]
-            elif method == 'quant':
-                values = [reference_index(dr * dr + dc * dc, ratio) + b]
-            elif method == 'cross':
-                values = [reference_index(dr, ratio) + b, reference_index(dc, ratio) + b]
-            else:
-                values = [(reference_index(dr, ratio) + b) * per_axis + reference_index(dc, ratio) + b]
-            for t, value in enumerate(values):
-                ids[t][skip + i][skip + j] = value
-    return torch.tensor(ids)
-
-
-def reference_attention(x, layer, tables, ids, mode, on):
-    """softmax(q_s k^T + iRPE bias) V + iRPE value term, then proj, with (L, L, d) tensors.
-
-    tables: {target: [tensor per cross axis]} in the release layout (heads or 1 leading)."""
-    batch, tokens, dim = x.shape
-    heads = layer.num_heads
-    d = dim // heads
-    q, k, v = (x @ layer.qkv.weight.T + layer.qkv.bias).reshape(batch, tokens, 3, heads, d).permute(2, 0, 3, 1, 4)
-    q_s, k_s = q / math.sqrt(d), k / math.sqrt(d)
-    logits = q_s @ k.transpose(-1, -2)
-    value_term = 0
-    for target in on:
-        for table, table_ids in zip(tables[target], ids):
-            table = table.expand(heads, *table.shape[1:])
-            if mode == 'bias':
-                per_pair = table[:, table_ids]  # (heads, L, L) [h, i, j] = T[h, id(i, j)]
-                logits = logits + (per_pair if target == 'k' else per_pair.transpose(-1, -2))
-            elif target == 'k':
-                per_pair = table[:, :, table_ids]  # (heads, d, L, L)
-                logits = logits + torch.einsum('bhid,hdij->bhij', q_s, per_pair)
-            elif target == 'q':
-                per_pair = table[:, :, table_ids]  # [h, :, j, i] = T[h, :, id(j, i)]
-                logits = logits + torch.einsum('bhjd,hdji->bhij', k_s, per_pair)
-    attn = logits.softmax(-1)
-    for table, table_ids in zip(tables.get('v', []), ids):
-        per_pair = table.expand(heads, *table.shape[1:])[:, table_ids]  # (heads, L, L, d)
-        value_term = value_term + torch.einsum('bhij,hijd->bhid', attn, per_pair)
-    out = (attn @ v + value_term).transpose(1, 2).reshape(batch, tokens, dim)
-    return out @ layer.proj.weight.T + layer.proj.bias
+def reference_attention(x, layer, tables, ids, mode):
+    return irpe_attention(x, layer.qkv.weight, layer.qkv.bias, layer.proj.weight, layer.proj.bias,
+                          layer.num_heads, tables, ids, mode)
 
 
 def random_tables(phi, generator):
@@ -120,7 +60,7 @@ def test_buckets_per_axis(ratio, per_axis):
 def test_bucket_ids_pair_by_pair(method, ratio):
     """Non-square grids with extra tokens, offsets far enough to reach the logarithmic part."""
     for height, width, skip in [(7, 11, 2), (1, 9, 0), (6, 1, 1)]:
-        expected = reference_ids(height, width, skip, method, ratio)
+        expected = irpe_bucket_ids(height, width, skip, method, ratio)
         assert torch.equal(bucket_ids(height, width, skip, method, ratio), expected), (height, width, skip)
 
 
@@ -147,7 +87,7 @@ def test_layer_equals_reference(method, mode, on, shared):
     layer.phi.load_release_tables(tables)
     x = torch.randn(2, skip + height * width, 16, dtype=torch.float64)
     expected = reference_attention(x, layer, as_lists(layer.phi, tables),
-                                   reference_ids(height, width, skip, method, 1.2), mode, on)
+                                   irpe_bucket_ids(height, width, skip, method, 1.2), mode)
     torch.testing.assert_close(layer(x, (height, width)), expected, rtol=1e-10, atol=1e-12)
 
 
@@ -159,7 +99,7 @@ def test_term_orientation(mode, on):
     tables = random_tables(phi, torch.Generator().manual_seed(3))
     phi.load_release_tables(tables)
     (table,) = as_lists(phi, tables)[on]
-    ids = reference_ids(2, 3, 1, 'product', 1.9)[0]
+    ids = irpe_bucket_ids(2, 3, 1, 'product', 1.9)[0]
     if on == 'v':
         attn = torch.rand(3, 2, 7, 7, dtype=torch.float64).softmax(-1)
         expected = torch.einsum('bhij,hijd->bhid', attn, table[:, ids])

@@ -5,47 +5,49 @@ import torch
 from posattn.phi import peripheral
 from posattn.phi.peripheral import DistanceEmbedding, PeripheralPhi, peripheral_init
 
-from conftest import load_fixture, weights_recipe
-from reference import load_release_weights, random_release_weights, release_phi
+from posattn.convert import pervit_from_release
+from posattn.reference import peripheral_position_attention
+
+from conftest import load_fixture, randomise_peripheral, weights_recipe
 
 GRIDS = [(14, 14), (3, 4), (5, 9), (1, 1), (1, 5), (6, 1), (2, 2)]
 
 
 def make_phi(num_heads, seed, dtype=torch.float64):
-    weights = random_release_weights(num_heads, torch.Generator().manual_seed(seed), dtype)
-    phi = PeripheralPhi(num_heads).to(dtype)
-    load_release_weights(phi, weights)
-    return phi, weights
+    return randomise_peripheral(PeripheralPhi(num_heads).to(dtype), seed)
+
+
+def release_phi(phi, height, width):
+    """Φp computed the straightforward way, as the release does (posattn.reference)."""
+    with torch.no_grad():
+        return peripheral_position_attention(height, width, *phi.weights())
 
 
 @pytest.mark.parametrize('height,width', GRIDS)
 def test_shortcuts_equal_straightforward_release_computation(height, width):
-    phi, weights = make_phi(num_heads=2, seed=height * 31 + width)
+    phi = make_phi(num_heads=2, seed=height * 31 + width)
     with torch.no_grad():
         fast = phi.position_attention(height, width)
-    slow = release_phi(height, width, weights)
+    slow = release_phi(phi, height, width)
     assert fast.shape == (2, height * width, height * width)
     torch.testing.assert_close(fast, slow, rtol=0, atol=1e-10)
 
 
 def test_gradients_equal_straightforward_release_computation():
-    phi, weights = make_phi(num_heads=2, seed=3)
+    phi = make_phi(num_heads=2, seed=3)
     upstream = torch.rand(2, 20, 20, dtype=torch.float64)
     (phi.position_attention(4, 5) * upstream).sum().backward()
-    leaves = {k: v.requires_grad_() for k, v in weights.items()}
-    (release_phi(4, 5, leaves) * upstream).sum().backward()
-    pairs = {'rpe_w': phi.distance_embedding.weight, 'rpe_b': phi.distance_embedding.bias,
-             'conv1_w': phi.proj1_weight, 'conv1_b': phi.proj1_bias, 'gn1_w': phi.norm1_weight,
-             'gn1_b': phi.norm1_bias, 'conv2_w': phi.proj2_weight, 'conv2_b': phi.proj2_bias,
-             'gn2_w': phi.norm2_weight, 'gn2_b': phi.norm2_bias}
-    for name, param in pairs.items():
-        torch.testing.assert_close(param.grad, leaves[name].grad, rtol=1e-8, atol=1e-10, msg=name)
-    for dead in ('rpe_b', 'conv1_b', 'conv2_b'):  # removed by the next instance norm
-        assert pairs[dead].grad.abs().max() < 1e-10, dead
+    leaves = [w.detach().clone().requires_grad_() for w in phi.weights()]
+    (peripheral_position_attention(4, 5, *leaves) * upstream).sum().backward()
+    names = {id(p): n for n, p in phi.named_parameters()}
+    for param, leaf in zip(phi.weights(), leaves):
+        torch.testing.assert_close(param.grad, leaf.grad, rtol=1e-8, atol=1e-10, msg=names[id(param)])
+    for dead in (phi.distance_embedding.bias, phi.proj1_bias, phi.proj2_bias):  # removed by the next norm
+        assert dead.grad.abs().max() < 1e-10, names[id(dead)]
 
 
 def test_biases_removed_by_instance_norms_change_nothing():
-    phi, weights = make_phi(num_heads=2, seed=9)
+    phi = make_phi(num_heads=2, seed=9)
     with torch.no_grad():
         before = phi.position_attention(5, 6)
         for param in (phi.distance_embedding.bias, phi.proj1_bias, phi.proj2_bias):
@@ -55,7 +57,7 @@ def test_biases_removed_by_instance_norms_change_nothing():
 
 
 def test_chunked_recomputation_matches_one_pass(monkeypatch):
-    phi, weights = make_phi(num_heads=2, seed=5)
+    phi = make_phi(num_heads=2, seed=5)
     upstream = torch.rand(2, 42, 42, dtype=torch.float64)
     (phi.position_attention(6, 7) * upstream).sum().backward()
     one_pass = {n: p.grad.clone() for n, p in phi.named_parameters()}
@@ -63,13 +65,13 @@ def test_chunked_recomputation_matches_one_pass(monkeypatch):
     monkeypatch.setattr(peripheral, '_CHUNK_ELEMENTS', 1000)  # 10 queries a chunk, recomputed
     value = phi.position_attention(6, 7)
     (value * upstream).sum().backward()
-    torch.testing.assert_close(value, release_phi(6, 7, weights), rtol=0, atol=1e-10)
+    torch.testing.assert_close(value, release_phi(phi, 6, 7), rtol=0, atol=1e-10)
     for name, param in phi.named_parameters():
         torch.testing.assert_close(param.grad, one_pass[name], rtol=1e-10, atol=1e-12, msg=name)
 
 
 def test_fp32_tracks_float64_path():
-    phi64, _ = make_phi(num_heads=4, seed=11)
+    phi64 = make_phi(num_heads=4, seed=11)
     phi32 = PeripheralPhi(4)
     phi32.load_state_dict({k: v.float() for k, v in phi64.state_dict().items()})
     with torch.no_grad():
@@ -80,18 +82,14 @@ def test_fp32_tracks_float64_path():
 def test_fixture_all_layers_of_pervit_tiny():
     """Φp of the 12 layers of the release's PerViT-T (seed-7 weights) within 1e-4."""
     fixture = load_fixture('pervit_tiny_release_seed7.pt')
-    state = weights_recipe().release_state_dict(fixture['spec'], fixture['seed'])
+    state = pervit_from_release(weights_recipe().release_state_dict(fixture['spec'], fixture['seed']))
     shared = DistanceEmbedding(16)
+    shared.load_state_dict({'weight': state['distance_embedding.weight'], 'bias': state['distance_embedding.bias']})
     worst = 0.0
     for layer in range(12):
         phi = PeripheralPhi(4, layer_index=layer, num_layers=12, distance_embedding=shared)
-        prefix = f'blocks.{layer}.attn.activation.'
-        load_release_weights(phi, {
-            'rpe_w': state['rpe_proj.weight'], 'rpe_b': state['rpe_proj.bias'],
-            'conv1_w': state[prefix + 'conv1.weight'], 'conv1_b': state[prefix + 'conv1.bias'],
-            'gn1_w': state[prefix + 'gn1.weight'], 'gn1_b': state[prefix + 'gn1.bias'],
-            'conv2_w': state[prefix + 'conv2.weight'], 'conv2_b': state[prefix + 'conv2.bias'],
-            'gn2_w': state[prefix + 'gn2.weight'], 'gn2_b': state[prefix + 'gn2.bias']})
+        prefix = f'blocks.{layer}.attn.phi.'
+        phi.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
         with torch.no_grad():
             value = phi.position_attention(14, 14)
         expected = fixture['phi_p'][layer][0]

@@ -332,7 +332,10 @@ class PeripheralPhi(PositionalModule):
         self.norm2_bias = nn.Parameter(torch.full((num_heads,), size))  # s_l: size
         self._cache = ParameterValueCache(_CACHE_ENTRIES)
 
-    def _weights(self) -> Tuple[torch.Tensor, ...]:
+    def weights(self) -> Tuple[torch.Tensor, ...]:
+        """The parameters in the order :func:`peripheral_log_attention` and
+        :func:`posattn.reference.peripheral_position_attention` take them: w, its bias, PP1 weight
+        and bias, IN1 weight and bias, PP2 weight and bias, IN2 weight and bias."""
         return (self.distance_embedding.weight, self.distance_embedding.bias, self.proj1_weight,
                 self.proj1_bias, self.norm1_weight, self.norm1_bias, self.proj2_weight,
                 self.proj2_bias, self.norm2_weight, self.norm2_bias)
@@ -340,7 +343,7 @@ class PeripheralPhi(PositionalModule):
     def log_position_attention(self, height: int, width: int) -> torch.Tensor:
         """log Φp for an H x W grid: (heads, H*W, H*W) in the parameters' dtype, [head, query, key]."""
         with torch.autocast(self.proj1_weight.device.type, enabled=False):
-            return peripheral_log_attention(height, width, *self._weights())
+            return peripheral_log_attention(height, width, *self.weights())
 
     def position_attention(self, height: int, width: int) -> torch.Tensor:
         """Φp itself (heads, H*W, H*W), values in (0, 1), indexed [head, query, key]."""
@@ -351,7 +354,7 @@ class PeripheralPhi(PositionalModule):
         return bias.to(dtype).unsqueeze(0)  # (1, heads, N, N)
 
     def logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
-        weights = self._weights()
+        weights = self.weights()
         if self.training or (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
             return self._bias(grid, q.dtype)
         return self._cache.get((grid, q.dtype, q.device), weights, lambda: self._bias(grid, q.dtype))

@@ -1,0 +1,198 @@
+"""Plain statements of posattn's formulas: slow and literal, for reading and for checking.
+
+Each function computes what a fast path of posattn computes, the straightforward way the papers'
+released code does, without posattn's shortcuts. The tests run them in float64 as the oracle of
+the fast paths; the benchmarks time them as the baseline that the shortcuts are measured against.
+Parameters come in posattn's layout (:mod:`posattn.convert` maps the releases' names), in the
+order of :meth:`posattn.phi.peripheral.PeripheralPhi.weights` for the peripheral Φp.
+
+    from posattn import reference
+    slow = reference.peripheral_position_attention(14, 14, *phi.weights())     # (heads, 196, 196)
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Mapping, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ['padded_coordinates', 'peripheral_position_attention', 'peripheral_attention',
+           'softmax_attention', 'irpe_bucket_ids', 'irpe_attention']
+
+PADDING = 2  # PerViT pads the key grid by two rows and columns on every side
+NORM_EPS = 1e-5
+
+
+def padded_coordinates(length: int, dtype: torch.dtype = torch.float64,
+                       device: Optional[torch.device] = None) -> torch.Tensor:
+    """``linspace(-1, 1, n)`` extended by two real steps on each side: (n + 4,).
+
+    A single row or column has no step; it takes 2, the extent of [-1, 1].
+    """
+    core = torch.linspace(-1, 1, length, dtype=dtype, device=device)
+    step = 2.0 / (length - 1) if length > 1 else 2.0
+    outward = step * torch.arange(1, PADDING + 1, dtype=dtype, device=device)
+    return torch.cat([(core[0] - outward).flip(0), core, core[-1] + outward])
+
+
+def _instance_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Each (query, channel) map of x (queries, C, h, w) normalised over its h x w cells, then scaled
+    and shifted per channel: the release's ``nn.GroupNorm(C, C)``, written out (a 1 x 1 map gives 0)."""
+    mean = x.mean((2, 3), keepdim=True)
+    var = (x - mean).square().mean((2, 3), keepdim=True)
+    return (x - mean) / torch.sqrt(var + NORM_EPS) * weight[:, None, None] + bias[:, None, None]
+
+
+def peripheral_position_attention(height: int, width: int, distance_weight: torch.Tensor,
+                                  distance_bias: torch.Tensor, proj1_weight: torch.Tensor,
+                                  proj1_bias: torch.Tensor, norm1_weight: torch.Tensor,
+                                  norm1_bias: torch.Tensor, proj2_weight: torch.Tensor,
+                                  proj2_bias: torch.Tensor, norm2_weight: torch.Tensor,
+                                  norm2_bias: torch.Tensor) -> torch.Tensor:
+    """PerViT's Φp (Eq. 6-8) as the release computes it: (heads, H*W, H*W), [head, query, key].
+
+    R[q, k, r] = w_r ||c_k - c_q|| + b_r over every pair of the 2-padded grid (all 4 * heads
+    channels), cropped to the inner H x W queries; then, with each query a batch item over its
+    (H+4) x (W+4) keys: 3x3 valid conv, instance norm, ReLU, 3x3 valid conv, instance norm,
+    sigmoid.
+    """
+    ys, xs = padded_coordinates(height, distance_weight.dtype), padded_coordinates(width, distance_weight.dtype)
+    coords = torch.stack(torch.meshgrid(ys, xs, indexing='ij'), dim=-1).reshape(-1, 2)
+    distances = (coords[None, :, :] - coords[:, None, :]).square().sum(-1).sqrt()  # [q, k] = ||c_k - c_q||
+    embedded = F.linear(distances[..., None], distance_weight, distance_bias)  # (N', N', D_r)
+    rows, cols = height + 2 * PADDING, width + 2 * PADDING
+    inner = embedded.reshape(rows, cols, rows * cols, -1)[PADDING:-PADDING, PADDING:-PADDING]
+    x = inner.reshape(height * width, rows, cols, -1).permute(0, 3, 1, 2)  # (queries, D_r, H+4, W+4)
+    x = _instance_norm(F.conv2d(x, proj1_weight, proj1_bias), norm1_weight, norm1_bias)
+    x = _instance_norm(F.conv2d(F.relu(x), proj2_weight, proj2_bias), norm2_weight, norm2_bias)  # (queries, heads, H, W)
+    return torch.sigmoid(x).reshape(height * width, -1, height * width).permute(1, 0, 2)
+
+
+def _split_heads(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: Optional[torch.Tensor], num_heads: int):
+    batch, tokens, dim = x.shape
+    qkv = F.linear(x, qkv_weight, qkv_bias).reshape(batch, tokens, 3, num_heads, dim // num_heads)
+    return qkv.permute(2, 0, 3, 1, 4).unbind(0)  # q, k, v: (B, heads, N, d)
+
+
+def _merge_heads(out: torch.Tensor) -> torch.Tensor:
+    batch, heads, tokens, head_dim = out.shape
+    return out.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
+
+
+def _over_all_pairs(grid_term: torch.Tensor, num_prefix_tokens: int, fill: float) -> torch.Tensor:
+    """A (heads, P, P) term over the grid pairs as (heads, N, N), ``fill`` wherever a prefix token is."""
+    heads, positions, _ = grid_term.shape
+    tokens = num_prefix_tokens + positions
+    full = grid_term.new_full((heads, tokens, tokens), fill)
+    full[:, num_prefix_tokens:, num_prefix_tokens:] = grid_term
+    return full
+
+
+def peripheral_attention(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: Optional[torch.Tensor],
+                         proj_weight: torch.Tensor, proj_bias: torch.Tensor, num_heads: int,
+                         position_attention: torch.Tensor, num_prefix_tokens: int = 0) -> torch.Tensor:
+    """The release's Multi-head Peripheral Attention (PerViT Eq. 5), then the output projection:
+
+        proj(normalize_L1(exp(S - rowmax S) * Φp) V),   S = q k^T / sqrt(d),
+
+    Φp (heads, H*W, H*W) over the grid pairs and 1 wherever a prefix token is. The L1
+    normalisation loses rows whose Φp underflows (a sharp Φp); posattn adds log Φp instead.
+    """
+    q, k, v = _split_heads(x, qkv_weight, qkv_bias, num_heads)
+    scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    weights = _over_all_pairs(position_attention, num_prefix_tokens, 1.0)
+    attn = F.normalize(torch.exp(scores - scores.amax(-1, keepdim=True)) * weights, p=1, dim=-1)
+    return F.linear(_merge_heads(attn @ v), proj_weight, proj_bias)
+
+
+def softmax_attention(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: Optional[torch.Tensor],
+                      proj_weight: torch.Tensor, proj_bias: torch.Tensor, num_heads: int,
+                      grid_bias: Optional[torch.Tensor] = None, num_prefix_tokens: int = 0) -> torch.Tensor:
+    """proj(softmax(q k^T / sqrt(d) + b) V): multi-head self-attention (Vaswani et al. 2017) with a
+    logits bias b (heads, H*W, H*W) over the grid pairs, zero wherever a prefix token is; plain
+    attention without one."""
+    q, k, v = _split_heads(x, qkv_weight, qkv_bias, num_heads)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if grid_bias is not None:
+        scores = scores + _over_all_pairs(grid_bias, num_prefix_tokens, 0.0)
+    return F.linear(_merge_heads(scores.softmax(-1) @ v), proj_weight, proj_bias)
+
+
+def _piecewise_index(offset: float, ratio: float) -> int:
+    """g(x) of iRPE (Wu et al. 2021, Eq. 18), alpha = ratio, beta = 2 ratio, gamma = 8 ratio."""
+    alpha, beta, gamma = ratio, 2 * ratio, 8 * ratio
+    if abs(offset) <= alpha:
+        return int(offset)
+    compressed = round(alpha + math.log(abs(offset) / alpha) / math.log(gamma / alpha) * (beta - alpha))
+    return int(math.copysign(min(compressed, beta), offset))
+
+
+def irpe_bucket_ids(height: int, width: int, num_prefix_tokens: int, method: str, ratio: float) -> torch.Tensor:
+    """iRPE's bucket of every (query, key) pair, one pair at a time: (tables, N, N) int64.
+
+    Offsets (dr, dc) are query minus key in grid rows and columns; with b = int(2 ratio):
+    euc g(round(sqrt(dr^2 + dc^2))) + b, quant g(dr^2 + dc^2) + b, cross g(dr) + b and g(dc) + b
+    (two tables), product (g(dr) + b)(2b + 1) + g(dc) + b. Pairs with a prefix token share the
+    bucket after the last.
+    """
+    b = int(2 * ratio)
+    per_axis = 2 * b + 1
+    prefix_bucket = per_axis ** 2 if method == 'product' else per_axis
+    tables = 2 if method == 'cross' else 1
+    tokens = num_prefix_tokens + height * width
+    ids: List[List[List[int]]] = [[[prefix_bucket] * tokens for _ in range(tokens)] for _ in range(tables)]
+    for i in range(height * width):
+        for j in range(height * width):
+            dr, dc = i // width - j // width, i % width - j % width
+            if method == 'euc':
+                values = [_piecewise_index(round(math.sqrt(dr * dr + dc * dc)), ratio) + b]
+            elif method == 'quant':
+                values = [_piecewise_index(dr * dr + dc * dc, ratio) + b]
+            elif method == 'cross':
+                values = [_piecewise_index(dr, ratio) + b, _piecewise_index(dc, ratio) + b]
+            elif method == 'product':
+                values = [(_piecewise_index(dr, ratio) + b) * per_axis + _piecewise_index(dc, ratio) + b]
+            else:
+                raise ValueError(f'unknown iRPE method {method!r}')
+            for table, value in enumerate(values):
+                ids[table][num_prefix_tokens + i][num_prefix_tokens + j] = value
+    return torch.tensor(ids)
+
+
+def irpe_attention(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: Optional[torch.Tensor],
+                   proj_weight: torch.Tensor, proj_bias: torch.Tensor, num_heads: int,
+                   tables: Mapping[str, Sequence[torch.Tensor]], ids: torch.Tensor, mode: str) -> torch.Tensor:
+    """iRPE attention (Wu et al. 2021, Eq. 11-13), every table read out per (query, key) pair:
+
+        softmax(q_s k^T + b) V + sum_j A[i, j] T_v[id(i, j)],   then proj,
+
+    with q_s, k_s the queries and keys over sqrt(d) and b the sum of each table's term: bias mode
+    T_k[id(i, j)] and T_q[id(j, i)]; ctx mode q_s[i] . T_k[:, id(i, j)] and k_s[j] . T_q[:, id(j, i)].
+
+    Args:
+        tables: {'q' | 'k' | 'v': [one table per id table]} in the release's shapes, heads (or 1
+            when shared) first: bias (heads, buckets); ctx on q, k (heads, d, buckets); on v
+            (heads, buckets, d).
+        ids: (tables, N, N) bucket ids, [table, query, key] (:func:`irpe_bucket_ids`).
+        mode: 'bias' or 'ctx'.
+    """
+    q, k, v = _split_heads(x, qkv_weight, qkv_bias, num_heads)
+    q_s, k_s = q / math.sqrt(q.shape[-1]), k / math.sqrt(k.shape[-1])
+    logits = q_s @ k.transpose(-1, -2)
+    for target in ('q', 'k'):
+        for table, table_ids in zip(tables.get(target, ()), ids):
+            table = table.expand(num_heads, *table.shape[1:])
+            if mode == 'bias':
+                per_pair = table[:, table_ids]  # (heads, N, N): [h, i, j] = T[h, id(i, j)]
+                logits = logits + (per_pair if target == 'k' else per_pair.transpose(-1, -2))
+            elif target == 'k':
+                logits = logits + torch.einsum('bhid,hdij->bhij', q_s, table[:, :, table_ids])
+            else:  # [h, :, j, i] = T_q[h, :, id(j, i)]
+                logits = logits + torch.einsum('bhjd,hdji->bhij', k_s, table[:, :, table_ids])
+    attn = logits.softmax(-1)
+    out = attn @ v
+    for table, table_ids in zip(tables.get('v', ()), ids):
+        per_pair = table.expand(num_heads, *table.shape[1:])[:, table_ids]  # (heads, N, N, d)
+        out = out + torch.einsum('bhij,hijd->bhid', attn, per_pair)
+    return F.linear(_merge_heads(out), proj_weight, proj_bias)
