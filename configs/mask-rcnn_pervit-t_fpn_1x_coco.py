@@ -26,3 +26,4 @@ optim_wrapper = dict(
     paramwise_cfg=dict(norm_decay_mult=0.0, bias_decay_mult=0.0, flat_decay_mult=0.0),
 )
 auto_scale_lr = dict(base_batch_size=16)
+default_hooks = dict(checkpoint=dict(type='SafeCheckpointHook'))  # see _base_/mask_rcnn_pervit.py

@@ -72,7 +72,8 @@ param_scheduler = [
 ]
 default_hooks = dict(
     logger=dict(interval=20),
-    checkpoint=dict(by_epoch=False, interval=250, max_keep_ckpts=2, save_best='coco/bbox_mAP', rule='greater'),
+    checkpoint=dict(type='SafeCheckpointHook', by_epoch=False, interval=250, max_keep_ckpts=2,
+                    save_best='coco/bbox_mAP', rule='greater'),
 )
 log_processor = dict(by_epoch=False)
 auto_scale_lr = dict(base_batch_size=4)

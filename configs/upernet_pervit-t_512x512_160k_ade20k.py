@@ -36,3 +36,4 @@ param_scheduler = [
     dict(type='PolyLR', eta_min=0.0, power=1.0, by_epoch=False, begin=1500, end=160000),
 ]
 auto_scale_lr = dict(base_batch_size=16)
+default_hooks = dict(checkpoint=dict(type='SafeCheckpointHook'))  # see _base_/upernet_pervit.py

@@ -66,7 +66,7 @@ default_hooks = dict(  # mmseg keeps its hooks in the schedule files, which this
     timer=dict(type='IterTimerHook'),
     logger=dict(type='LoggerHook', interval=20, log_metric_by_epoch=False),
     param_scheduler=dict(type='ParamSchedulerHook'),
-    checkpoint=dict(type='CheckpointHook', by_epoch=False, interval=300, max_keep_ckpts=2, save_best='mIoU',
+    checkpoint=dict(type='SafeCheckpointHook', by_epoch=False, interval=300, max_keep_ckpts=2, save_best='mIoU',
                     rule='greater'),
     sampler_seed=dict(type='DistSamplerSeedHook'),
     visualization=dict(type='SegVisualizationHook'),

@@ -17,9 +17,8 @@ from conftest import run_tool
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 CONFIG = 'configs/pervit_t_shapes.py'
-# 16 images in one batch per epoch: each iteration sees the same images, so the loss must fall.
-# No random flips: the augmentation's random state is not part of a checkpoint, and the resumed
-# step must see the same batch as the uninterrupted one.
+# 16 images in one batch per epoch, without random flips: each iteration sees the same batch, so
+# the loss must fall.
 SHORT = ['train_dataloader.dataset.num_images=16', 'train_dataloader.batch_size=16',
          'train_dataloader.dataset.pipeline.0.prob=0.0', 'optim_wrapper.optimizer.lr=1e-3',
          'val_dataloader.dataset.num_images=24', 'default_hooks.logger.interval=1',
@@ -85,7 +84,7 @@ def test_training_lowers_the_loss_and_writes_checkpoints(trained):
     work_dir, output = trained
     losses = [row['loss'] for row in logged(work_dir) if 'loss' in row]
     assert len(losses) == EPOCHS
-    assert losses[-1] < losses[0] - 0.02, losses  # 1.81 -> 1.78 here: 4 steps at lr <= 1e-3
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses  # one batch, seen 5 times
     assert all((work_dir / f'epoch_{e}.pth').is_file() for e in range(1, EPOCHS + 1))
     assert f'Last checkpoint: {work_dir / f"epoch_{EPOCHS}.pth"}' in output
     assert 'Last validation: accuracy/top1:' in output
@@ -101,8 +100,8 @@ def test_resume_continues_at_the_next_iteration_with_the_same_state(trained, tmp
     assert (resumed['meta']['epoch'], resumed['meta']['iter']) == (EPOCHS, EPOCHS)
     assert resumed['param_schedulers'] == straight['param_schedulers']
     assert resumed['optimizer']['param_groups'] == straight['optimizer']['param_groups']
-    torch.testing.assert_close(resumed['optimizer']['state'], straight['optimizer']['state'])
-    torch.testing.assert_close(resumed['state_dict'], straight['state_dict'])
+    torch.testing.assert_close(resumed['optimizer']['state'], straight['optimizer']['state'], rtol=0, atol=0)
+    torch.testing.assert_close(resumed['state_dict'], straight['state_dict'], rtol=0, atol=0)  # bit for bit
 
 
 def test_tools_test_evaluates_the_checkpoint(trained, tmp_path):

@@ -1,6 +1,6 @@
 """What tools/train.py and tools/test.py share: the repository root on ``sys.path`` (so they run
-from a clone without installing; ``integrations`` is not part of the installed ``posattn``), and
-the config handling common to both."""
+from a clone without installing; ``integrations`` is not part of the installed ``posattn``), the
+config handling common to both, and the runner they build (``PosattnRunner``)."""
 import argparse
 import os
 import os.path as osp
@@ -13,8 +13,10 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402
 from mmengine.config import Config, DictAction  # noqa: E402
+from mmengine.registry import RUNNERS  # noqa: E402
 
 import integrations.openmmlab  # noqa: E402,F401  (registrations, weights-only checkpoint loader)
+from integrations.openmmlab.runner import PosattnRunner  # noqa: E402
 
 
 def add_runner_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +25,10 @@ def add_runner_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--amp', action='store_true', help='automatic mixed precision')
     parser.add_argument('--cfg-options', nargs='+', action=DictAction,
                         help='override config entries, key=value (e.g. train_cfg.max_epochs=1)')
+    parser.add_argument('--partial-load', action='store_true',
+                        help='load the weights of a checkpoint that fit the model and log every key skipped '
+                             '(load_from, --resume, the checkpoint of tools/test.py); without it a checkpoint '
+                             'that does not fit is an error. The same as partial_load=True in the config')
     parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'], default='none',
                         help='job launcher; torchrun needs pytorch')
     parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
@@ -35,7 +41,7 @@ def parse_runner_arguments(parser: argparse.ArgumentParser, argv=None) -> argpar
 
 
 def load_config(args) -> Config:
-    """The config with ``--cfg-options``, ``--launcher`` and ``--work-dir`` applied.
+    """The config with ``--cfg-options``, ``--partial-load``, ``--launcher`` and ``--work-dir`` applied.
 
     Distributed ranks without GPUs (torchrun on CPU) get the gloo backend and a DDP wrapper
     without device ids, which CPU modules need; GPU runs keep the config's nccl. For torchrun on
@@ -46,6 +52,8 @@ def load_config(args) -> Config:
     if args.cfg_options:
         cfg.merge_from_dict(args.cfg_options)
     cfg.launcher = args.launcher
+    if args.partial_load:
+        cfg.partial_load = True
     cfg.work_dir = args.work_dir or cfg.get('work_dir') or osp.join(
         'work_dirs', osp.splitext(osp.basename(args.config))[0])
     if args.launcher != 'none' and not torch.cuda.is_available():
@@ -54,3 +62,16 @@ def load_config(args) -> Config:
         if args.launcher == 'pytorch' and not torch.distributed.is_initialized():
             torch.distributed.init_process_group(backend='gloo')
     return cfg
+
+
+def build_runner(cfg: Config) -> PosattnRunner:
+    """The config's ``runner_type`` (``PosattnRunner`` when it names none), which must be
+    ``PosattnRunner`` or derive from it: the tools rely on its strict loading, exact resume and
+    work_dir lock."""
+    name = cfg.get('runner_type', 'PosattnRunner')
+    runner_cls = RUNNERS.get(name)
+    if not (isinstance(runner_cls, type) and issubclass(runner_cls, PosattnRunner)):
+        raise ValueError(f"runner_type={name!r} in the config is not a PosattnRunner (integrations.openmmlab."
+                         f"runner), which tools/train.py and tools/test.py need: use runner_type='PosattnRunner' "
+                         f"or a subclass of it")
+    return runner_cls.from_cfg(cfg)

@@ -7,9 +7,10 @@ Runs the config's validation images through the model (eval mode, no gradients) 
 peripheral regions; see docs/analysis.md), ``position.png`` (Φp of the centre query, Fig. 4 of
 the paper), ``samples.png`` (Φp, Φc, Φa on a few images, Fig. 6) and ``measures.png`` (Figs. 7, 8).
 
-The checkpoint may be one that tools/train.py wrote, or backbone weights in posattn's or the
-PerViT release's layout (loaded as the backbone's ``Pretrained`` init, classifier left out);
-without one, the initialised model is analysed.
+The checkpoint may be one that tools/train.py wrote (loaded strictly, as tools/test.py loads it: one
+that does not fit the config's model is an error naming what it holds), or backbone weights in
+posattn's or the PerViT release's layout (loaded as the backbone's ``Pretrained`` init, classifier
+left out); without one, the initialised model is analysed.
 """
 import argparse
 import itertools
@@ -23,6 +24,7 @@ from mmengine.registry import init_default_scope
 from mmengine.runner import CheckpointLoader, Runner
 from mmengine.utils import ProgressBar
 
+from integrations.openmmlab.runner import load_model_weights
 from posattn.analysis import (collect_attention_maps, measure_attention, plot_measures, plot_position_maps,
                               plot_sample_attention)
 
@@ -52,7 +54,8 @@ def build_model(cfg: Config, checkpoint):
         return model.eval()
     loaded = CheckpointLoader.load_checkpoint(checkpoint, map_location='cpu')
     if isinstance(loaded, dict) and 'state_dict' in loaded:  # written by tools/train.py (mmengine)
-        model.load_state_dict(loaded['state_dict'], strict=True)
+        load_model_weights(model, loaded, source=checkpoint,
+                           target=f'{type(model).__name__} of {cfg.filename}')
     else:  # backbone weights, posattn or release layout
         model.init_weights()
         model.backbone.init_cfg = dict(type='Pretrained', checkpoint=checkpoint)

@@ -2,18 +2,22 @@
 
 Runs the config's ``test_dataloader`` / ``test_evaluator`` with mmengine; multi-GPU through
 torchrun (``--launcher pytorch``). Prints the metrics, and writes them as JSON with ``--out``.
+
+The checkpoint loads strictly: one that does not fit the config's model is an error listing the
+differing keys and, for posattn's models, naming the model the checkpoint holds. ``--partial-load``
+evaluates with the weights that fit and logs every key it skipped.
 """
 import argparse
 import json
 
-from _common import add_runner_arguments, load_config, parse_runner_arguments
+from _common import add_runner_arguments, build_runner, load_config, parse_runner_arguments
 from mmengine.config import Config
 from mmengine.dist import is_main_process
-from mmengine.runner import Runner
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description='Evaluate a checkpoint with mmengine')
+    parser = argparse.ArgumentParser(
+        description="Evaluate a checkpoint with mmengine; it must fit the config's model (or pass --partial-load)")
     parser.add_argument('config', help='config file')
     parser.add_argument('checkpoint', help='checkpoint file')
     parser.add_argument('--out', help='write the metrics to this JSON file')
@@ -32,7 +36,7 @@ def build_config(args) -> Config:
 
 def main(argv=None):
     args = parse_args(argv)
-    metrics = Runner.from_cfg(build_config(args)).test()
+    metrics = build_runner(build_config(args)).test()
     if is_main_process():
         print('\n' + ', '.join(f'{k}: {v:.4g}' for k, v in metrics.items()))
         if args.out:

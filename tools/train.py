@@ -3,21 +3,29 @@
 The arguments of OpenMMLab's ``tools/train.py``; multi-GPU and multi-node through torchrun
 (``tools/dist_train.sh``, ``--launcher pytorch``). Ends by printing the last validation metrics,
 where the checkpoints are, and (for classifiers) the tools/analyze.py command for the checkpoint.
+
+Runs ``PosattnRunner`` (integrations/openmmlab/runner.py): one training per work_dir (a second one
+stops at its start, naming the run that holds it); checkpoints written atomically, old ones removed
+only after the new one is complete; ``--resume`` continues bit for bit where the run stopped (the
+random generators' states are in every checkpoint) and, without a path, from the newest checkpoint
+that reads completely; ``load_from`` and ``--resume`` load strictly unless ``--partial-load``.
 """
 import argparse
 
-from _common import add_runner_arguments, load_config, parse_runner_arguments
+from _common import add_runner_arguments, build_runner, load_config, parse_runner_arguments
 from mmengine.config import Config
 from mmengine.dist import is_main_process
 from mmengine.hooks import Hook
-from mmengine.runner import Runner
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description='Train a model with mmengine')
+    parser = argparse.ArgumentParser(
+        description='Train a model with mmengine: one training per work dir, checkpoints written atomically, '
+                    '--resume continuing bit for bit, checkpoints loaded strictly (see docs/openmmlab.md)')
     parser.add_argument('config', help='config file')
     parser.add_argument('--resume', nargs='?', type=str, const='auto',
-                        help='resume from a checkpoint; without a path, from the latest in the work dir')
+                        help='resume from a checkpoint; without a path, from the latest in the work dir that '
+                             'reads completely (a damaged latest one is reported and skipped)')
     parser.add_argument('--no-validate', action='store_true', help='skip validation during training')
     parser.add_argument('--auto-scale-lr', action='store_true',
                         help="scale the lr from the config's auto_scale_lr.base_batch_size to the batch used")
@@ -54,7 +62,7 @@ class LastMetrics(Hook):
 
 def main(argv=None):
     args = parse_args(argv)
-    runner = Runner.from_cfg(build_config(args))
+    runner = build_runner(build_config(args))
     last_metrics = LastMetrics()
     runner.register_hook(last_metrics, priority='LOWEST')
     runner.train()

@@ -1,13 +1,21 @@
-# mmengine runtime shared by every config: mmpretrain's scope, posattn's registrations, hooks.
+# mmengine runtime shared by every classification config: mmpretrain's scope, posattn's
+# registrations, the runner, hooks.
 default_scope = 'mmpretrain'
-# Registers PosattnPerViT / PosattnViT, the datasets, and the weights-only checkpoint loader.
+# Registers PosattnPerViT / PosattnViT, the datasets, the runner and hooks below, the weights-only
+# checkpoint loader and atomic checkpoint writes.
 custom_imports = dict(imports=['integrations.openmmlab'], allow_failed_imports=False)
+# Strict checkpoint loading, resume from the newest complete checkpoint, one training per
+# work_dir, exact resume (integrations/openmmlab/runner.py).
+runner_type = 'PosattnRunner'
+# True loads the weights of a checkpoint that fit and logs the others (tools: --partial-load).
+partial_load = False
 
 default_hooks = dict(
     timer=dict(type='IterTimerHook'),
     logger=dict(type='LoggerHook', interval=100),
     param_scheduler=dict(type='ParamSchedulerHook'),
-    checkpoint=dict(type='CheckpointHook', interval=1, max_keep_ckpts=3, save_best='auto'),
+    # CheckpointHook that removes old checkpoints only once the new one is complete
+    checkpoint=dict(type='SafeCheckpointHook', interval=1, max_keep_ckpts=3, save_best='auto'),
     sampler_seed=dict(type='DistSamplerSeedHook'),
     visualization=dict(type='VisualizationHook', enable=False),
 )

@@ -5,6 +5,12 @@ _base_ = ['mmdet::_base_/models/mask-rcnn_r50_fpn.py', './pervit_dense_backbone.
 
 custom_imports = dict(imports=['integrations.openmmlab', 'integrations.openmmlab.detection'],
                       allow_failed_imports=False)
+# Strict checkpoint loading, resume from the newest complete checkpoint, one training per
+# work_dir, exact resume (integrations/openmmlab/runner.py). Configs built on this one also set
+# default_hooks.checkpoint.type='SafeCheckpointHook' (mmdet's default_runtime.py names
+# CheckpointHook, and mmengine does not let two bases set the same key).
+runner_type = 'PosattnRunner'
+partial_load = False  # True: load the weights of a checkpoint that fit, log the others (--partial-load)
 
 model = dict(
     backbone=dict(_delete_=True, **_base_.pervit_backbone),

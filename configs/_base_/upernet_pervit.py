@@ -5,6 +5,12 @@ _base_ = ['mmseg::_base_/models/upernet_r50.py', './pervit_dense_backbone.py']
 
 custom_imports = dict(imports=['integrations.openmmlab', 'integrations.openmmlab.segmentation'],
                       allow_failed_imports=False)
+# Strict checkpoint loading, resume from the newest complete checkpoint, one training per
+# work_dir, exact resume (integrations/openmmlab/runner.py). Configs built on this one also set
+# default_hooks.checkpoint.type='SafeCheckpointHook' (mmseg's schedule files name
+# CheckpointHook, and mmengine does not let two bases set the same key).
+runner_type = 'PosattnRunner'
+partial_load = False  # True: load the weights of a checkpoint that fit, log the others (--partial-load)
 
 channels = 256
 model = dict(

@@ -1,7 +1,7 @@
 """posattn in OpenMMLab (mmengine / mmpretrain / mmdet / mmseg): import this module once.
 
 ``custom_imports = dict(imports=['integrations.openmmlab'], allow_failed_imports=False)`` in a
-config (or importing it in a script) does four things:
+config (or importing it in a script) does six things:
 
 * registers the backbones ``PosattnPerViT`` and ``PosattnViT`` in mmengine's root ``MODELS``
   (:mod:`.backbones`), visible from every toolbox's registry;
@@ -9,7 +9,13 @@ config (or importing it in a script) does four things:
 * registers the datasets ``PositionalShapes`` (the embedded set) and ``CheckedImageNet`` in
   mmpretrain's ``DATASETS`` (:mod:`.datasets`);
 * makes mmengine load local checkpoints weights-only with an allow-list of its own types, so
-  resume, ``load_from`` and testing work on torch >= 2.6 (:mod:`.checkpoint`).
+  resume, ``load_from`` and testing work on torch >= 2.6 (:mod:`.checkpoint`);
+* makes mmengine write local files atomically, so a killed run never leaves a truncated
+  checkpoint under its final name (:mod:`.atomic`);
+* registers ``PosattnRunner`` in mmengine's root ``RUNNERS`` (:mod:`.runner`: strict loading,
+  resume from the newest complete checkpoint, one training per work_dir, exact resume through
+  ``RandomStateHook``, :mod:`.random_state`) and ``SafeCheckpointHook`` in its root ``HOOKS``
+  (:mod:`.checkpoint_hook`: old checkpoints removed only after the new one is complete).
 
 The detection and segmentation datasets live in their own modules, imported by the configs that
 use them, so that classification needs neither mmdet nor mmseg: :mod:`.detection` registers
@@ -17,12 +23,18 @@ use them, so that classification needs neither mmdet nor mmseg: :mod:`.detection
 ``CheckedCocoDataset`` in mmdet's ``DATASETS``, :mod:`.segmentation` registers
 ``ShapesSegDataset`` and ``CheckedADE20KDataset`` in mmseg's.
 """
+from .atomic import register_atomic_backend
 from .backbones import PosattnPerViT, PosattnViT
 from .checkpoint import register_checkpoint_loader
+from .checkpoint_hook import SafeCheckpointHook
 from .datasets import CheckedImageNet, PositionalShapes
 from .necks import PosattnSimpleFPN
+from .random_state import RandomStateHook
+from .runner import PosattnRunner
 
 register_checkpoint_loader()
+register_atomic_backend()
 
 __all__ = ['PosattnPerViT', 'PosattnViT', 'PosattnSimpleFPN', 'PositionalShapes', 'CheckedImageNet',
-           'register_checkpoint_loader']
+           'PosattnRunner', 'SafeCheckpointHook', 'RandomStateHook', 'register_checkpoint_loader',
+           'register_atomic_backend']

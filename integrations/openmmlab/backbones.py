@@ -9,9 +9,10 @@ Both follow mmpretrain's backbone conventions (``arch`` table or dict, ``out_ind
 ``frozen_stages``, ``init_cfg``) and return a tuple with one output per index in
 ``out_indices``. The wrapped posattn model sits under ``.model`` with posattn's parameter names;
 ``init_cfg=dict(type='Pretrained', checkpoint=...)`` reads posattn checkpoints and the layouts
-:func:`posattn.convert.to_posattn_layout` converts (the PerViT release's), weights-only, and
-loads everything but the classifier strictly, with a warning that names the classifier's
-weights it leaves out.
+:func:`posattn.convert.to_posattn_layout` converts (the PerViT release's, and classifiers these
+backbones trained under mmengine), weights-only, and loads everything but the classifier
+strictly, with a warning that names the classifier's weights it leaves out; ``strict=False`` in
+the ``init_cfg`` loads what fits and logs the keys it skipped.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from torch import nn
 from posattn.convert import to_posattn_layout
 from posattn.grid import TokenGrid
 from posattn.models.pervit import PERVIT_LAYOUTS, PerViT
+from posattn.models.registry import load_weights
 from posattn.models.vit import LAYOUTS as VIT_LAYOUTS
 from posattn.models.vit import VisionTransformer
 
@@ -75,10 +77,21 @@ def _freeze(*modules: Optional[nn.Module]) -> None:
             param.requires_grad = False
 
 
-class _PretrainedMixin:
-    """``init_cfg=dict(type='Pretrained', checkpoint=...)`` through posattn's conversion.
+def _backbone_remedy(model_name: str) -> str:
+    """What a config sets to build the backbone that weights of the registered ``model_name`` fit."""
+    family, arch = model_name.split('_', 1)
+    backbone = 'PosattnPerViT' if family == 'pervit' else 'PosattnViT'
+    return f"use model.backbone.type='{backbone}' with arch='{arch}'"
 
-    Other ``init_cfg`` types go to mmengine's :class:`BaseModule` as usual.
+
+class _PretrainedMixin:
+    """``init_cfg=dict(type='Pretrained', checkpoint=..., strict=True)`` through posattn's conversion.
+
+    The backbone's weights load through :func:`posattn.models.registry.load_weights`, the
+    classifier (``head.``) left out: strictly by default, so a checkpoint that does not fit raises
+    an error naming the registered model it fits and listing the differing keys; ``strict=False``
+    loads what fits and logs every key it skipped. Other ``init_cfg`` types go to mmengine's
+    :class:`BaseModule` as usual.
     """
 
     model: nn.Module
@@ -88,9 +101,9 @@ class _PretrainedMixin:
         if not (isinstance(cfg, dict) and cfg.get('type') == 'Pretrained'):
             super().init_weights()
             return
-        extra = set(cfg) - {'type', 'checkpoint', 'map_location'}
+        extra = set(cfg) - {'type', 'checkpoint', 'map_location', 'strict'}
         if extra:
-            raise ValueError(f'{type(self).__name__} reads only checkpoint and map_location from a '
+            raise ValueError(f'{type(self).__name__} reads only checkpoint, map_location and strict from a '
                              f'Pretrained init_cfg; got {sorted(extra)} too')
         checkpoint = cfg['checkpoint']
         if '://' not in checkpoint and not os.path.isfile(os.path.expanduser(checkpoint)):
@@ -103,18 +116,16 @@ class _PretrainedMixin:
         # mmengine's CheckpointLoader handles URLs; local files go through the weights-only
         # loader that integrations.openmmlab.checkpoint registers.
         raw = CheckpointLoader.load_checkpoint(checkpoint, map_location=cfg.get('map_location', 'cpu'))
-        if isinstance(raw, Mapping) and isinstance(raw.get('state_dict'), Mapping):
-            raw = {k[len('backbone.model.'):]: v for k, v in raw['state_dict'].items()
-                   if k.startswith('backbone.model.')}  # a checkpoint of these backbones under mmengine
         state_dict, layout = to_posattn_layout(raw)
+        source = f'checkpoint {checkpoint} ({layout} layout)'
+        skipped = load_weights(self.model, state_dict, source=source, target=type(self).__name__,
+                               strict=cfg.get('strict', True), ignore=('head.',), remedy=_backbone_remedy)
+        if skipped:
+            print_log(f'{type(self).__name__}: partial load (strict=False) from {source}; {len(skipped)} keys '
+                      f'skipped:\n  ' + '\n  '.join(skipped), logger='current', level=logging.WARNING)
         head_keys = sorted(k for k in state_dict if k.startswith('head.'))
-        state_dict = {k: v for k, v in state_dict.items() if not k.startswith('head.')}
-        incompatible = self.model.load_state_dict(state_dict, strict=False)
-        missing = [k for k in incompatible.missing_keys if not k.startswith('head.')]
-        if missing or incompatible.unexpected_keys:
-            raise ValueError(f'checkpoint {checkpoint} ({layout} layout) does not fit {type(self).__name__}: '
-                             f'missing {missing[:8]}, unexpected {incompatible.unexpected_keys[:8]}')
-        print_log(f'{type(self).__name__}: loaded every backbone weight from {checkpoint} ({layout} layout)'
+        loaded = 'the backbone weights that fit' if skipped else 'every backbone weight'
+        print_log(f'{type(self).__name__}: loaded {loaded} from {checkpoint} ({layout} layout)'
                   + (f'; not loaded, the classifier: {", ".join(head_keys)}' if head_keys else ''),
                   logger='current', level=logging.WARNING if head_keys else logging.INFO)
         self._is_init = True
@@ -145,7 +156,7 @@ class PosattnPerViT(_PretrainedMixin, BaseModule):
         with_cp: while training, recompute each block in the backward pass instead of keeping
             its activations (``torch.utils.checkpoint``, non-reentrant), Φp included.
         init_cfg: mmengine init config; ``type='Pretrained'`` reads posattn or PerViT-release
-            checkpoints (the classifier is not loaded).
+            checkpoints (the classifier is not loaded; ``strict=False`` for a partial load).
 
     ``out_channels`` lists the channels of each output, for necks (e.g. mmdet's FPN ``in_channels``).
     """
@@ -218,7 +229,7 @@ class PosattnViT(_PretrainedMixin, BaseModule):
             position embedding and the first k blocks (and the PEGs after them).
         drop_path_rate: stochastic depth, rising linearly over the blocks to this rate.
         init_cfg: mmengine init config; ``type='Pretrained'`` reads posattn (and timm ViT / DeiT)
-            checkpoints (the classifier is not loaded).
+            checkpoints (the classifier is not loaded; ``strict=False`` for a partial load).
         **vit_kwargs: the rest of :class:`~posattn.models.vit.VisionTransformer`'s options:
             ``phi``, ``phi_cfg``, ``pos_embed``, ``peg_after``, ``class_token``, ``patch_size``, ...
 

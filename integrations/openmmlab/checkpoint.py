@@ -8,8 +8,10 @@ which the weights-only unpickler refuses. That breaks ``--resume``, ``load_from`
 
 The fix keeps weights-only loading for every file and widens it by an explicit allow-list:
 :func:`load_local_checkpoint` replaces mmengine's loader for local paths (through mmengine's own
-``CheckpointLoader.register_scheme(..., force=True)``) and runs ``torch.load(weights_only=True)``
-inside ``torch.serialization.safe_globals`` with
+``CheckpointLoader.register_scheme(..., force=True)``) and reads through posattn's one checkpoint
+reader, :func:`posattn.convert.read_checkpoint` (``torch.load(weights_only=True)``, with errors
+that name an empty, truncated or foreign file), after adding to its allow-list
+(:func:`posattn.convert.allow_checkpoint_globals`)
 
 * the plain-data classes mmengine puts in its checkpoints (``HistoryBuffer``, numpy arrays,
   dtypes and scalars), which rebuild from their state and run no code of the file's choosing;
@@ -32,9 +34,10 @@ import pickle
 from typing import Any, List, Optional
 
 import numpy as np
-import torch
 from mmengine.logging import HistoryBuffer
 from mmengine.runner import CheckpointLoader
+
+from posattn.convert import allow_checkpoint_globals, read_checkpoint
 
 __all__ = ['MMENGINE_CHECKPOINT_GLOBALS', 'history_buffer_method', 'load_local_checkpoint',
            'register_checkpoint_loader']
@@ -66,23 +69,26 @@ MMENGINE_CHECKPOINT_GLOBALS: List[Any] = [HistoryBuffer, argparse.Namespace, *_n
 
 
 def load_local_checkpoint(filename: str, map_location: Optional[Any] = None) -> Any:
-    """``torch.load(filename, weights_only=True)`` with :data:`MMENGINE_CHECKPOINT_GLOBALS` allowed.
+    """:func:`posattn.convert.read_checkpoint` with :data:`MMENGINE_CHECKPOINT_GLOBALS` allowed.
 
-    The signature of mmengine's ``load_from_local``, which this replaces.
+    The signature and the missing-file error of mmengine's ``load_from_local``, which this
+    replaces; a file holding objects outside the allow-list raises ``pickle.UnpicklingError``.
     """
     filename = os.path.expanduser(filename)
     if not os.path.isfile(filename):
         raise FileNotFoundError(f'{filename} can not be found.')
     try:
-        with torch.serialization.safe_globals(MMENGINE_CHECKPOINT_GLOBALS):
-            return torch.load(filename, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as error:
+        return read_checkpoint(filename, map_location=map_location or 'cpu')
+    except ValueError as error:
+        if not isinstance(error.__cause__, pickle.UnpicklingError):
+            raise  # empty, truncated or not a PyTorch file: read_checkpoint's message names it
         raise pickle.UnpicklingError(
             f'{filename} holds objects that weights-only loading refuses and that are not among the '
             f'mmengine checkpoint types integrations.openmmlab.checkpoint allows. If you trust the '
-            f'file, load it yourself and torch.save its state_dict alone.\n{error}') from error
+            f'file, load it yourself and torch.save its state_dict alone.\n{error.__cause__}') from error
 
 
 def register_checkpoint_loader() -> None:
     """Make :func:`load_local_checkpoint` mmengine's loader for local paths (idempotent)."""
+    allow_checkpoint_globals(MMENGINE_CHECKPOINT_GLOBALS)
     CheckpointLoader.register_scheme(prefixes='', loader=load_local_checkpoint, force=True)

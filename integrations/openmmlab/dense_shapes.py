@@ -13,13 +13,19 @@ so mmdet reads the set as a COCO dataset and mmseg as PNG label maps, with the t
 loaders and metrics. The same arguments give the same bytes on every machine; nothing is
 downloaded. A folder generated with other arguments is never overwritten: building the set again
 with a different ``img_size`` or size raises an error naming the folder.
+
+Generation stages the set in a hidden folder beside ``root`` (``.{name}-*``) and renames it into
+place when complete. A generation that was killed leaves its staging folder behind; the next call
+for the same ``root`` deletes it (:func:`remove_stale_staging`).
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -27,9 +33,10 @@ import numpy as np
 from PIL import Image
 from pycocotools import mask as mask_utils
 
+from .atomic import process_is_alive
 from .shapes import SHAPES, shape_mask
 
-__all__ = ['SPLITS', 'DEFAULT_SIZES', 'CATEGORIES', 'render_scene', 'ensure_dense_shapes']
+__all__ = ['SPLITS', 'DEFAULT_SIZES', 'CATEGORIES', 'render_scene', 'ensure_dense_shapes', 'remove_stale_staging']
 
 VERSION = 1
 SPLITS = ('train', 'val')
@@ -39,6 +46,11 @@ OBJECTS_RANGE = (2, 5)
 RADIUS_RANGE = (0.1, 0.22)  # shape half-sides, as fractions of the image's shorter side
 _GAP = 2  # pixels between two shapes' boxes
 _PLACEMENT_TRIES = 100
+_WRITER = '.writer.json'  # in a staging folder: the host and pid generating into it
+# A staging folder whose writer cannot be checked (another host, or no writer file) is stale after
+# this long. Generating the default set takes about 15 s on 2 CPU cores; at that rate a day would
+# be some six million images, far beyond any set this generator is meant for.
+STALE_STAGING_SECONDS = 24 * 3600
 
 
 def render_scene(rng: np.random.Generator, height: int, width: int) -> Tuple[np.ndarray, List[Tuple[int, np.ndarray]]]:
@@ -94,6 +106,31 @@ def _write_split(root: Path, split: str, num_images: int, height: int, width: in
         json.dump(coco, f)
 
 
+def _staging_is_stale(staging: Path, now: float) -> bool:
+    try:
+        writer = json.loads((staging / _WRITER).read_text())
+        if writer['host'] == socket.gethostname():
+            return not process_is_alive(int(writer['pid']))
+        started = float(writer['started'])
+    except (OSError, ValueError, KeyError, TypeError):  # no writer file (yet): judge by age
+        try:
+            started = staging.stat().st_mtime
+        except FileNotFoundError:  # removed meanwhile, by another process cleaning up
+            return False
+    return now - started > STALE_STAGING_SECONDS
+
+
+def remove_stale_staging(root: Path) -> List[Path]:
+    """Delete the staging folders of killed generations of ``root``: on this host, those whose
+    generating process is gone; others after :data:`STALE_STAGING_SECONDS`. Returns them."""
+    removed, now = [], time.time()
+    for staging in root.parent.glob(f'.{root.name}-*'):
+        if staging.is_dir() and _staging_is_stale(staging, now):
+            shutil.rmtree(staging, ignore_errors=True)
+            removed.append(staging)
+    return removed
+
+
 def ensure_dense_shapes(root: str, img_size: Tuple[int, int] = (128, 192), sizes: Dict[str, int] = None,
                         seed: int = 0) -> Path:
     """The set under ``root``, generated there first if the folder does not hold it yet.
@@ -106,7 +143,8 @@ def ensure_dense_shapes(root: str, img_size: Tuple[int, int] = (128, 192), sizes
 
     Returns the folder. The set is written to a temporary folder beside ``root`` and moved into
     place when complete, so an interrupted run leaves nothing half-written and concurrent ranks
-    generating the same set agree. Raises ``FileExistsError`` when ``root`` holds anything else.
+    generating the same set agree; the temporary folders of killed runs are deleted here
+    (:func:`remove_stale_staging`). Raises ``FileExistsError`` when ``root`` holds anything else.
     """
     sizes = dict(DEFAULT_SIZES if sizes is None else sizes)
     if set(sizes) != set(SPLITS) or any(int(n) < 1 for n in sizes.values()):
@@ -117,14 +155,19 @@ def ensure_dense_shapes(root: str, img_size: Tuple[int, int] = (128, 192), sizes
     meta = dict(generator='posattn dense shapes', version=VERSION, img_size=[height, width],
                 sizes={split: int(sizes[split]) for split in SPLITS}, seed=int(seed))
     root_path = Path(root)
+    if root_path.parent.is_dir():
+        remove_stale_staging(root_path)
     if not root_path.exists():
         root_path.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f'.{root_path.name}-', dir=root_path.parent))
         try:
+            (staging / _WRITER).write_text(json.dumps(dict(host=socket.gethostname(), pid=os.getpid(),
+                                                           started=time.time())))
             (staging / 'annotations').mkdir()
             for split in SPLITS:
                 _write_split(staging, split, meta['sizes'][split], height, width, seed)
             (staging / 'meta.json').write_text(json.dumps(meta, indent=1))
+            (staging / _WRITER).unlink()
             try:
                 os.rename(staging, root_path)  # atomic; fails if another process got there first
             except OSError:

@@ -73,13 +73,15 @@ def _default_shapes(name: str) -> Optional[Shapes]:
 
 
 def fitting_model(state_dict: Mapping[str, Any]) -> Optional[str]:
-    """The registered model (default options) whose keys are exactly ``state_dict``'s (in posattn's
-    layout) and whose shapes agree outside the classifier, or None."""
-    shapes = {k: tuple(getattr(v, 'shape', ())) for k, v in state_dict.items()}
+    """The registered model (default options) whose keys and shapes are ``state_dict``'s (in
+    posattn's layout) outside the classifier, or None. Weights without a classifier (a backbone's)
+    fit too."""
+    def body(shapes: Shapes) -> Shapes:
+        return {k: v for k, v in shapes.items() if not k.startswith('head.')}
+    found = body({k: tuple(getattr(v, 'shape', ())) for k, v in state_dict.items()})
     for name in list_models():
         expected = _default_shapes(name)
-        if expected is not None and expected.keys() == shapes.keys() and all(
-                expected[k] == shapes[k] for k in shapes if not k.startswith('head.')):
+        if expected is not None and body(expected) == found:
             return name
     return None
 
@@ -103,8 +105,13 @@ def state_dict_mismatch(model: nn.Module, state_dict: Mapping[str, Any],
     return missing, unexpected, wrong
 
 
+def _create_model_remedy(name: str) -> str:
+    return f'create_model({name!r}, checkpoint=...)'
+
+
 def load_weights(model: nn.Module, state_dict: Mapping[str, Any], *, source: str, target: str,
-                 strict: bool = True, ignore: Sequence[str] = ()) -> List[str]:
+                 strict: bool = True, ignore: Sequence[str] = (),
+                 remedy: Optional[Callable[[str], str]] = _create_model_remedy) -> List[str]:
     """Load ``state_dict`` (posattn's layout) into ``model``; the one place posattn checks a fit.
 
     Args:
@@ -114,6 +121,8 @@ def load_weights(model: nn.Module, state_dict: Mapping[str, Any], *, source: str
             lists them and names the registered model the weights fit, if one does. With False,
             every key that fits is loaded and the others are skipped.
         ignore: key prefixes left out on both sides (e.g. ``('head.',)``: not loaded, not checked).
+        remedy: given the registered model the weights fit, what to do instead, for the error
+            (default: the ``create_model`` call that loads them); None leaves that line out.
 
     Returns:
         The keys that were not loaded, each with the reason ('missing: ...', 'unexpected: ...',
@@ -124,9 +133,9 @@ def load_weights(model: nn.Module, state_dict: Mapping[str, Any], *, source: str
     wrong = [f'{k}: checkpoint {tuple(state_dict[k].shape)}, model {model_shapes[k]}' for k in wrong]
     if strict and (missing or unexpected or wrong):
         lines = [f'{source} does not fit {target}:']
-        fitting = fitting_model(state_dict)
+        fitting = fitting_model(state_dict) if remedy is not None else None
         if fitting is not None and fitting != target:
-            lines.append(f'  this is a {fitting} checkpoint: create_model({fitting!r}, checkpoint=...)')
+            lines.append(f'  this is a {fitting} checkpoint: {remedy(fitting)}')
         elif not (missing or unexpected) and all(k.startswith('head.') for k in wrong) and 'head.weight' in state_dict:
             lines.append(f'  only the classifier differs: pass num_classes={state_dict["head.weight"].shape[0]}')
         for label, items in (('missing keys', missing), ('unexpected keys', unexpected), ('wrong shapes', wrong)):
