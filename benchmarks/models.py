@@ -13,7 +13,7 @@ Side by side in one run, timed round-robin (median of ``--repeat`` rounds):
 - inference (eval, no grad) of the same models: posattn caches Φp after the first call, the
   release's layer recomputes it on every call, as the release does;
 - peak memory of each (CPU: allocator events; CUDA: the allocator's peak).
-Targets (issue 5): PerViT-T step <= 1.25x DeiT-T's, posattn >= 1.5x faster than the release's
+Targets: PerViT-T step <= 1.25x DeiT-T's, posattn >= 1.5x faster than the release's
 layer, inference <= 1.15x DeiT-T's. Then GMAC per image of PerViT-T/S/M and DeiT-T: as the paper
 counts them (no Φp, and no q k^T or A v products: that gives its 1.6 / 4.4 / 9.0), with the
 attention products but Φp cached, with Φp counted as posattn computes it, and as the release does.

@@ -1,8 +1,7 @@
 """PerViT: Peripheral Vision Transformer (Min et al., NeurIPS 2022), Tiny / Small / Medium.
 
-The layout of the authors' release (spec ``pervit.md``, "PerViT models"; paper Appendix E,
-Table A5), with posattn's parameter names (``posattn.convert.pervit_from_release`` maps a
-release checkpoint):
+The layout of the authors' release (paper Appendix E, Table A5), with posattn's parameter names
+(``posattn.convert.pervit_from_release`` maps a release checkpoint):
 
     stem    4 x [3x3 conv stride 2 -> BatchNorm -> ReLU], 1x1 conv       (B, 3, H, W) -> (B, C0, H/16, W/16)
     blocks  12 in 4 stages [2, 2, 6, 2], one token grid throughout (columnar, no downsampling):

@@ -11,7 +11,7 @@ with the real extrapolated coordinates, PP1 / PP2 3x3 valid convolutions over th
 (4 heads -> 16 hidden channels -> one map per head), IN instance norms over the key grid with
 affine parameters, and w the distance embedding (one per model in the release).
 
-Exact shortcuts (spec ``pervit.md``), none of which changes the result:
+Exact shortcuts, none of which changes the result (``posattn.reference`` computes Φp without them):
 - no nonlinearity sits between w and PP1, so the 4*heads distance channels collapse into one:
   PP1 is a 1-channel 3x3 conv with kernel sum_r w_r W1[:, r];
 - the distances depend only on the offset k - q, so PP1 runs once on an offset canvas of
