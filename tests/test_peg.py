@@ -1,4 +1,4 @@
-"""PEG / CPE: the Twins PosCNN fixture, prefix tokens, stride 2, and the attention token hook."""
+"""PEG / CPE: the Twins PosCNN fixture, prefix tokens, and the attention token hook."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,8 +15,7 @@ def test_matches_released_poscnn():
     with torch.no_grad():
         peg.proj.weight.copy_(fixture['weight'])
         peg.proj.bias.copy_(fixture['bias'])
-        out, grid = peg(fixture['x'], (fixture['H'], fixture['W']))
-    assert grid == TokenGrid(14, 14)
+        out = peg(fixture['x'], (fixture['H'], fixture['W']))
     torch.testing.assert_close(out, fixture['out'], rtol=0, atol=1e-5)
 
 
@@ -30,28 +29,18 @@ def naive_peg(x, weight, bias, height, width, prefix, residual):
 def test_non_square_grid_with_prefix_tokens(residual):
     peg = posattn.build_phi('peg', dim=6, residual=residual).double()
     x = torch.randn(2, 2 + 5 * 3, 6, dtype=torch.float64)
-    out, grid = peg(x, TokenGrid(5, 3, 2))
+    out = peg(x, TokenGrid(5, 3, 2))
     torch.testing.assert_close(out, naive_peg(x, peg.proj.weight, peg.proj.bias, 5, 3, 2, residual))
-    assert torch.equal(out[:, :2], x[:, :2]) and grid == TokenGrid(5, 3, 2)
+    assert torch.equal(out[:, :2], x[:, :2])
 
 
 def test_zero_padding_encodes_position():
     """A constant input comes out different at the border than inside (CPVT Sec. 3.2)."""
     peg = posattn.build_phi('peg', dim=4)
     with torch.no_grad():
-        out, _ = peg(torch.ones(1, 16, 4), (4, 4))
+        out = peg(torch.ones(1, 16, 4), (4, 4))
     assert not torch.allclose(out[0, 0], out[0, 5])
     torch.testing.assert_close(out[0, 5], out[0, 6])
-
-
-def test_stride_two_halves_the_grid_with_ceil():
-    peg = posattn.build_phi('peg', dim=4, residual=False, stride=2)
-    out, grid = peg(torch.randn(2, 1 + 7 * 5, 4), TokenGrid(7, 5, 1))
-    assert grid == TokenGrid(4, 3, 1) and out.shape == (2, 1 + 12, 4)
-    with pytest.raises(ValueError, match='stride-2 PEG changes the grid and has no residual'):
-        posattn.build_phi('peg', dim=4, stride=2)
-    with pytest.raises(ValueError, match='PEG stride must be 1 or 2, got 3'):
-        posattn.build_phi('peg', dim=4, residual=False, stride=3)
 
 
 def test_as_attention_token_hook():

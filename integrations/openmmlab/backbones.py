@@ -283,7 +283,7 @@ class PosattnViT(_PretrainedMixin, BaseModule):
         x, grid = model.embed_tokens(x)
         last = len(model.blocks) - 1
         outputs = {}
-        for i, x, grid in model.iter_blocks(x, grid, num_blocks=max(self.out_indices) + 1):
+        for i, x in model.iter_blocks(x, grid, num_blocks=max(self.out_indices) + 1):
             if i in self.out_indices:
                 outputs[i] = self._output(model.norm(x) if i == last else x, grid)
         return tuple(outputs[i] for i in self.out_indices)

@@ -183,19 +183,19 @@ class VisionTransformer(nn.Module):
         return self.pos_drop(x), grid
 
     def iter_blocks(self, x: torch.Tensor, grid: TokenGrid,
-                    num_blocks: Optional[int] = None) -> Iterator[Tuple[int, torch.Tensor, TokenGrid]]:
+                    num_blocks: Optional[int] = None) -> Iterator[Tuple[int, torch.Tensor]]:
         """Runs the first ``num_blocks`` blocks (all by default), each followed by its PEG if it has
-        one, yielding (block index, tokens, grid) after each."""
+        one, yielding (block index, tokens) after each."""
         for i, block in enumerate(self.blocks[:num_blocks]):
             x = block(x, grid)
             if str(i) in self.pegs:
-                x, grid = self.pegs[str(i)](x, grid)
-            yield i, x, grid
+                x = self.pegs[str(i)](x, grid)
+            yield i, x
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> normalised tokens (B, prefix + h*w, embed_dim)."""
         x, grid = self.embed_tokens(x)
-        for _, x, grid in self.iter_blocks(x, grid):
+        for _, x in self.iter_blocks(x, grid):
             pass
         return self.norm(x)
 
