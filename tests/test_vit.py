@@ -119,7 +119,7 @@ def test_bad_arguments():
         small_vit(peg_after=(3, 0))
     with pytest.raises(ValueError, match='input of 30x32 pixels does not split into 8-pixel patches'):
         small_vit()(torch.randn(1, 3, 30, 32))
-    with pytest.raises(TypeError, match='embed_dim is fixed by the model name'):
+    with pytest.raises(TypeError, match="embed_dim: set by the model name 'vit_tiny'"):
         posattn.create_model('vit_tiny', embed_dim=256)
     with pytest.raises(ValueError, match="unknown Φp 'rpe'"):
         small_vit(phi='rpe')

@@ -32,16 +32,12 @@ from torch import nn
 
 from posattn.convert import to_posattn_layout
 from posattn.grid import TokenGrid
-from posattn.models.pervit import PERVIT_LAYOUTS, PerViT
+from posattn.models.pervit import PERVIT_ARCHS, PerViT
 from posattn.models.registry import load_weights
-from posattn.models.vit import LAYOUTS as VIT_LAYOUTS
-from posattn.models.vit import VisionTransformer
+from posattn.models.vit import VIT_ARCHS, VisionTransformer
 
 __all__ = ['PosattnPerViT', 'PosattnViT']
 
-PERVIT_DEPTHS = (2, 2, 6, 2)
-PERVIT_ARCHS = {name.split('_')[1]: dict(depths=PERVIT_DEPTHS, **layout) for name, layout in PERVIT_LAYOUTS.items()}
-VIT_ARCHS = {name.split('_')[1]: dict(embed_dim=dim, num_heads=heads) for name, (dim, heads) in VIT_LAYOUTS.items()}
 
 
 def _resolve_arch(arch: Union[str, Mapping[str, Any]], archs: Dict[str, Dict[str, Any]],

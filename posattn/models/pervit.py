@@ -39,17 +39,18 @@ from ..phi.peg import PositionEncodingGenerator
 from ..phi.peripheral import DistanceEmbedding, PeripheralPhi
 from ..window import GridWindows
 from .layers import DropPath, Mlp
-from .registry import register_model
+from .registry import create_from_arch, register_model
 
-__all__ = ['PerViT', 'PerViTBlock', 'ConvStem', 'PERVIT_LAYOUTS', 'pervit_tiny', 'pervit_small',
+__all__ = ['PerViT', 'PerViTBlock', 'ConvStem', 'PERVIT_ARCHS', 'pervit_tiny', 'pervit_small',
            'pervit_medium']
 
-# name -> heads, channels per stage, conv-stem channels (paper Table A5; the release's Small stem
-# ends at 272, the table's 262 is a typo: the 1x1 conv maps 272 -> 272 in the checkpoint).
-PERVIT_LAYOUTS = {
-    'pervit_tiny': dict(num_heads=4, embed_dims=(128, 192, 224, 280), stem_dims=(48, 64, 96, 128)),
-    'pervit_small': dict(num_heads=8, embed_dims=(272, 320, 368, 464), stem_dims=(64, 128, 192, 272)),
-    'pervit_medium': dict(num_heads=12, embed_dims=(312, 468, 540, 684), stem_dims=(64, 192, 256, 312)),
+# Sizes by arch (paper Table A5): heads, channels and blocks per stage, conv-stem channels. The
+# release's Small stem ends at 272; the table's 262 is a typo (the 1x1 conv maps 272 -> 272).
+PERVIT_ARCHS = {
+    'tiny': dict(num_heads=4, embed_dims=(128, 192, 224, 280), depths=(2, 2, 6, 2), stem_dims=(48, 64, 96, 128)),
+    'small': dict(num_heads=8, embed_dims=(272, 320, 368, 464), depths=(2, 2, 6, 2), stem_dims=(64, 128, 192, 272)),
+    'medium': dict(num_heads=12, embed_dims=(312, 468, 540, 684), depths=(2, 2, 6, 2),
+                   stem_dims=(64, 192, 256, 312)),
 }
 
 
@@ -231,28 +232,21 @@ class PerViT(nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
-def _create(name: str, **kwargs: Any) -> PerViT:
-    fixed = sorted(set(kwargs) & set(PERVIT_LAYOUTS[name]))
-    if fixed:
-        raise TypeError(f'{", ".join(fixed)}: set by the model name {name!r}; build PerViT directly to change')
-    return PerViT(**PERVIT_LAYOUTS[name], **kwargs)
-
-
 @register_model('pervit_tiny')
 def pervit_tiny(**kwargs: Any) -> PerViT:
     """PerViT-T: 4 heads, widths 128-192-224-280; 7,591,000 parameters, 1.6 GMAC; 78.8% top-1."""
-    return _create('pervit_tiny', **kwargs)
+    return create_from_arch(PerViT, PERVIT_ARCHS, 'pervit_tiny', 'tiny', **kwargs)
 
 
 @register_model('pervit_small')
 def pervit_small(**kwargs: Any) -> PerViT:
     """PerViT-S: 8 heads, widths 272-320-368-464; 21,317,672 parameters, 4.4 GMAC; 82.1% top-1
     (trained with drop_path_rate=0.1)."""
-    return _create('pervit_small', **kwargs)
+    return create_from_arch(PerViT, PERVIT_ARCHS, 'pervit_small', 'small', **kwargs)
 
 
 @register_model('pervit_medium')
 def pervit_medium(**kwargs: Any) -> PerViT:
     """PerViT-M: 12 heads, widths 312-468-540-684; 43,723,936 parameters, 9.0 GMAC; 82.9% top-1
     (trained with drop_path_rate=0.2)."""
-    return _create('pervit_medium', **kwargs)
+    return create_from_arch(PerViT, PERVIT_ARCHS, 'pervit_medium', 'medium', **kwargs)

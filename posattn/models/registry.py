@@ -10,8 +10,8 @@ from torch import nn
 
 from ..convert import read_checkpoint, to_posattn_layout
 
-__all__ = ['register_model', 'create_model', 'list_models', 'load_weights', 'fitting_model',
-           'state_dict_mismatch']
+__all__ = ['register_model', 'create_model', 'create_from_arch', 'list_models', 'load_weights',
+           'fitting_model', 'state_dict_mismatch']
 
 _MODELS: Dict[str, Callable[..., nn.Module]] = {}
 _LISTED = 8  # keys shown per kind of mismatch
@@ -29,6 +29,19 @@ def register_model(name: str) -> Callable[[Builder], Builder]:
         _default_shapes.cache_clear()
         return builder
     return add
+
+
+def create_from_arch(model_class: Callable[..., nn.Module], archs: Mapping[str, Mapping[str, Any]], name: str,
+                     arch: str, **kwargs: Any) -> nn.Module:
+    """``model_class(**archs[arch], **kwargs)``, the builder of the registered model ``name``.
+
+    The sizes the arch sets cannot be passed again; a different size is a different model.
+    """
+    fixed = sorted(set(kwargs) & set(archs[arch]))
+    if fixed:
+        raise TypeError(f'{", ".join(fixed)}: set by the model name {name!r}; build {model_class.__name__} '
+                        f'directly to change it')
+    return model_class(**archs[arch], **kwargs)
 
 
 def list_models() -> List[str]:

@@ -31,9 +31,9 @@ from ..attention import Attention
 from ..grid import TokenGrid
 from ..phi import PositionalModule, build_layer_phi, build_phi
 from .layers import DropPath, Mlp, PatchEmbed
-from .registry import register_model
+from .registry import create_from_arch, register_model
 
-__all__ = ['VisionTransformer', 'Block', 'resize_pos_embed', 'vit_tiny', 'vit_small', 'vit_base']
+__all__ = ['VisionTransformer', 'Block', 'VIT_ARCHS', 'resize_pos_embed', 'vit_tiny', 'vit_small', 'vit_base']
 
 
 class Block(nn.Module):
@@ -207,32 +207,24 @@ class VisionTransformer(nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
-# DeiT's sizes: (embed_dim, num_heads); all have depth 12, patch 16 and MLP ratio 4.
-LAYOUTS = {'vit_tiny': (192, 3), 'vit_small': (384, 6), 'vit_base': (768, 12)}
-
-
-def _create(name: str, **kwargs: Any) -> VisionTransformer:
-    for key in ('embed_dim', 'num_heads'):
-        if key in kwargs:
-            raise TypeError(f'{key} is fixed by the model name {name!r}; build VisionTransformer '
-                            f'directly to change it')
-    embed_dim, num_heads = LAYOUTS[name]
-    return VisionTransformer(embed_dim=embed_dim, num_heads=num_heads, **kwargs)
+# DeiT's sizes by arch; all have depth 12, patch 16 and MLP ratio 4 (the constructor's defaults).
+VIT_ARCHS = {'tiny': dict(embed_dim=192, num_heads=3), 'small': dict(embed_dim=384, num_heads=6),
+             'base': dict(embed_dim=768, num_heads=12)}
 
 
 @register_model('vit_tiny')
 def vit_tiny(**kwargs: Any) -> VisionTransformer:
     """DeiT-Tiny layout: 192 channels, 3 heads (5.7M parameters with ``phi='none'``)."""
-    return _create('vit_tiny', **kwargs)
+    return create_from_arch(VisionTransformer, VIT_ARCHS, 'vit_tiny', 'tiny', **kwargs)
 
 
 @register_model('vit_small')
 def vit_small(**kwargs: Any) -> VisionTransformer:
     """DeiT-Small layout: 384 channels, 6 heads (22M parameters)."""
-    return _create('vit_small', **kwargs)
+    return create_from_arch(VisionTransformer, VIT_ARCHS, 'vit_small', 'small', **kwargs)
 
 
 @register_model('vit_base')
 def vit_base(**kwargs: Any) -> VisionTransformer:
     """DeiT-Base layout: 768 channels, 12 heads (86M parameters)."""
-    return _create('vit_base', **kwargs)
+    return create_from_arch(VisionTransformer, VIT_ARCHS, 'vit_base', 'base', **kwargs)
