@@ -11,18 +11,15 @@ full distance embedding, all 4 * heads channels through PP1 for every query, ins
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import peak_memory_mb, print_table, save_json, time_interleaved  # noqa: E402
+from common import peak_memory_mb, print_table, save_json, time_interleaved
 
-from posattn import Attention, TokenGrid, reference  # noqa: E402
-from posattn.functional import biased_attention  # noqa: E402
+from posattn import Attention, TokenGrid, reference
+from posattn.functional import biased_attention
 
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16}
 

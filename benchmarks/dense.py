@@ -18,19 +18,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
-from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # integrations/ lives at the repo root
-from common import peak_memory_mb, print_table, save_json, time_interleaved  # noqa: E402
+from common import peak_memory_mb, print_table, save_json, time_interleaved
 
-import posattn  # noqa: E402
-from integrations.openmmlab.backbones import PosattnPerViT  # noqa: E402
-from posattn.phi.peripheral import PeripheralPhi  # noqa: E402
+import posattn
+from posattn_openmmlab.backbones import PosattnPerViT
+from posattn.phi.peripheral import PeripheralPhi
 
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16}
 STEM_STRIDE = 16

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
-from pathlib import Path
 from typing import Callable, Dict, List
 
 import torch
@@ -32,13 +30,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import peak_memory_mb, print_table, save_json, time_interleaved  # noqa: E402
+from common import peak_memory_mb, print_table, save_json, time_interleaved
 
-import posattn  # noqa: E402
-from posattn import reference  # noqa: E402
-from posattn.grid import TokenGrid  # noqa: E402
-from posattn.phi.peripheral import PeripheralPhi  # noqa: E402
+import posattn
+from posattn import reference
+from posattn.grid import TokenGrid
+from posattn.phi.peripheral import PeripheralPhi
 
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16}
 STEM_STRIDE = 16

@@ -9,7 +9,7 @@ Classifiers trained through mmengine (``tools/train.py``): ``{'meta': ..., 'stat
 with the backbone under ``backbone.model.`` and mmpretrain's linear head under ``head.fc.``;
 ``to_posattn_layout`` keeps the backbone's keys and renames ``head.fc.*`` to ``head.*``. Reading
 such a file needs the types mmengine pickles beside the weights, which
-``integrations.openmmlab`` allows (:func:`allow_checkpoint_globals`) when it is imported.
+``posattn_openmmlab`` allows (:func:`allow_checkpoint_globals`) when it is imported.
 
 PerViT release (github.com/juhongm999/pervit), 294 entries per model, renamed one to one:
 
@@ -75,7 +75,7 @@ def read_checkpoint(path: Union[str, os.PathLike], map_location: Any = 'cpu') ->
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as error:
         if 'mmengine' in str(error):
-            hint = ('it is a training checkpoint of mmengine (tools/train.py): import integrations.openmmlab '
+            hint = ('it is a training checkpoint of mmengine (tools/train.py): import posattn_openmmlab '
                     'first, which allows the types mmengine keeps beside the weights')
         else:
             hint = ('if you trust the file, load it yourself and torch.save its state_dict alone')

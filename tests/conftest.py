@@ -1,5 +1,6 @@
-"""Shared test helpers: the ../shared folder beside the checkout, seeded determinism, and running
-the repository's tools in a subprocess."""
+"""Shared test helpers: the ../shared folder beside the checkout, seeded determinism, the tools'
+folder on the import path, random peripheral Φp weights, and running the repository's tools in a
+subprocess."""
 import os
 import subprocess
 import sys
@@ -11,6 +12,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / 'shared'
 FIXTURES = SHARED / 'fixtures'
+# The tools are scripts, not a package: the tests import their functions from here (appended, so
+# that tools/test.py never shadows the standard library's test package).
+if str(REPO / 'tools') not in sys.path:
+    sys.path.append(str(REPO / 'tools'))
 
 
 @pytest.fixture(autouse=True)

@@ -1,18 +1,15 @@
 """PosattnPerViT / PosattnViT as OpenMMLab backbones: registration, outputs, freezing, Pretrained."""
 import argparse
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # integrations/ lives at the repo root
+import posattn
+from posattn_openmmlab import PosattnPerViT, PosattnViT
+from mmengine.registry import MODELS
 
-import posattn  # noqa: E402
-from integrations.openmmlab import PosattnPerViT, PosattnViT  # noqa: E402
-from mmengine.registry import MODELS  # noqa: E402
-
-from release_pervit import ReleasePerViT  # noqa: E402
+from release_pervit import ReleasePerViT
 
 IRPE_K = dict(method='product', mode='ctx', on='k', shared_head=True, ratio=1.9)
 

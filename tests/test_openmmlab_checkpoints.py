@@ -14,28 +14,24 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / 'tools'))
+import posattn
+import posattn_openmmlab  # noqa: F401
+import posattn_openmmlab.backbones as backbones
+import posattn_openmmlab.runner as runner_module
+from posattn_openmmlab import PosattnPerViT
+from posattn_openmmlab.atomic import atomic_write, remove_partial_writes
+from posattn_openmmlab.checkpoint import load_local_checkpoint
+from posattn_openmmlab.dense_shapes import STALE_STAGING_SECONDS, ensure_dense_shapes
+from posattn_openmmlab.random_state import capture_random_state, restore_random_state
+from posattn_openmmlab.runner import load_model_weights
+from posattn_openmmlab.work_dir_lock import WorkDirInUseError, WorkDirLock
+from conftest import REPO, run_tool
 
-import posattn  # noqa: E402
-import integrations.openmmlab  # noqa: E402,F401
-import integrations.openmmlab.backbones as backbones  # noqa: E402
-import integrations.openmmlab.runner as runner_module  # noqa: E402
-from integrations.openmmlab import PosattnPerViT  # noqa: E402
-from integrations.openmmlab.atomic import atomic_write, remove_partial_writes  # noqa: E402
-from integrations.openmmlab.checkpoint import load_local_checkpoint  # noqa: E402
-from integrations.openmmlab.dense_shapes import STALE_STAGING_SECONDS, ensure_dense_shapes  # noqa: E402
-from integrations.openmmlab.random_state import capture_random_state, restore_random_state  # noqa: E402
-from integrations.openmmlab.runner import load_model_weights  # noqa: E402
-from integrations.openmmlab.work_dir_lock import WorkDirInUseError, WorkDirLock  # noqa: E402
-from conftest import run_tool  # noqa: E402
 
 CONFIG = 'configs/pervit_t_shapes.py'
 # The embedded config shrunk to seconds: a PerViT of 3 blocks in 2 stages (the arch dict
@@ -295,7 +291,7 @@ def test_auto_resume_reads_the_candidates_newest_first(tmp_path):
     complete one (an empty pointer included), nothing without checkpoints, an error when all are damaged."""
     from mmengine.model import BaseModel
     from mmengine.registry import DefaultScope
-    from integrations.openmmlab import PosattnRunner
+    from posattn_openmmlab import PosattnRunner
 
     class Toy(BaseModel):
         def __init__(self):
@@ -373,9 +369,8 @@ def test_random_state_survives_a_weights_only_round_trip(tmp_path):
 def test_dense_set_removes_the_staging_folders_of_killed_generations(tmp_path):
     root = tmp_path / 'shapes_dense'
     small = dict(img_size=(64, 96), sizes=dict(train=2, val=1))
-    code = ('import os, signal, sys\n'
-            f'sys.path.insert(0, {str(REPO)!r})\n'
-            'from integrations.openmmlab import dense_shapes\n'
+    code = ('import os, signal\n'
+            'from posattn_openmmlab import dense_shapes\n'
             'def killed(*args):\n'
             '    os.kill(os.getpid(), signal.SIGKILL)\n'
             'dense_shapes._write_split = killed\n'

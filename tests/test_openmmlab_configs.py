@@ -1,19 +1,15 @@
 """Every classification config in configs/ parses and builds; the embedded set; the ImageNet configs' missing-data error."""
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # integrations/ lives at the repo root
+from mmengine.config import Config
+from mmpretrain.registry import DATASETS, MODELS
 
-from mmengine.config import Config  # noqa: E402
-from mmpretrain.registry import DATASETS, MODELS  # noqa: E402
+import posattn_openmmlab  # noqa: F401
+from posattn_openmmlab.shapes import CLASSES, PAIRS, SHAPES, render_shapes, shape_mask
+from conftest import REPO
 
-import integrations.openmmlab  # noqa: E402,F401
-from integrations.openmmlab.shapes import CLASSES, PAIRS, SHAPES, render_shapes, shape_mask  # noqa: E402
 
 DENSE_PREFIXES = ('mask-rcnn_', 'upernet_')  # mmdet and mmseg configs: tests/test_openmmlab_detseg.py
 ALL_CONFIGS = sorted(p.name for p in (REPO / 'configs').glob('*.py'))
@@ -54,7 +50,7 @@ def test_config_parses_builds_and_runs_at_a_non_224_size(name):
     with torch.no_grad():
         logits = model(images, mode='tensor')
     assert logits.shape == (2, num_classes) and torch.isfinite(logits).all()
-    assert cfg.default_scope == 'mmpretrain' and 'integrations.openmmlab' in cfg.custom_imports.imports
+    assert cfg.default_scope == 'mmpretrain' and 'posattn_openmmlab' in cfg.custom_imports.imports
 
 
 @pytest.mark.parametrize('name,weight_decay,warmup,drop_path', [

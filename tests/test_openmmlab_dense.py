@@ -1,15 +1,10 @@
 """PosattnPerViT for detection and segmentation: windows and global blocks through the config,
 with_cp, NCHW maps at mmdet's padded sizes, and the PosattnSimpleFPN neck in both toolboxes."""
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # integrations/ lives at the repo root
-
-from integrations.openmmlab import PosattnPerViT, PosattnSimpleFPN  # noqa: E402
-from mmengine.registry import MODELS  # noqa: E402
+from posattn_openmmlab import PosattnPerViT, PosattnSimpleFPN
+from mmengine.registry import MODELS
 
 SMALL = dict(embed_dims=(16, 24), depths=(1, 2), num_heads=2, stem_dims=(4, 4, 4, 8))  # stride 16
 

@@ -5,28 +5,25 @@ config through tools/train.py and tools/test.py."""
 import json
 import logging
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from mmengine.config import Config
+from mmengine.registry import DefaultScope
+from pycocotools import mask as mask_utils
 
-from mmengine.config import Config  # noqa: E402
-from mmengine.registry import DefaultScope  # noqa: E402
-from pycocotools import mask as mask_utils  # noqa: E402
+import posattn
+import posattn_openmmlab  # noqa: F401
+import posattn_openmmlab.backbones as backbones
+import posattn_openmmlab.detection  # noqa: F401
+import posattn_openmmlab.segmentation  # noqa: F401
+from posattn_openmmlab.dense_shapes import ensure_dense_shapes
+from conftest import REPO, run_tool
+from release_pervit import ReleasePerViT
 
-import posattn  # noqa: E402
-import integrations.openmmlab  # noqa: E402,F401
-import integrations.openmmlab.backbones as backbones  # noqa: E402
-import integrations.openmmlab.detection  # noqa: E402,F401
-import integrations.openmmlab.segmentation  # noqa: E402,F401
-from integrations.openmmlab.dense_shapes import ensure_dense_shapes  # noqa: E402
-from conftest import run_tool  # noqa: E402
-from release_pervit import ReleasePerViT  # noqa: E402
 
 DETECTION = ['mask-rcnn_pervit-t_fpn_1x_coco.py', 'mask-rcnn_pervit-s_fpn_1x_coco.py']
 SEGMENTATION = ['upernet_pervit-t_512x512_160k_ade20k.py', 'upernet_pervit-s_512x512_160k_ade20k.py']

@@ -1,18 +1,14 @@
 """The OpenMMLab stack itself: compiled mmcv ops, the toolboxes, and checkpoint loading on torch >= 2.6."""
 import argparse
 import pickle
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # integrations/ lives at the repo root
+from mmengine.logging import HistoryBuffer, MessageHub
+from mmengine.runner import CheckpointLoader
 
-from mmengine.logging import HistoryBuffer, MessageHub  # noqa: E402
-from mmengine.runner import CheckpointLoader  # noqa: E402
-
-from integrations.openmmlab.checkpoint import history_buffer_method, load_local_checkpoint  # noqa: E402
+from posattn_openmmlab.checkpoint import history_buffer_method, load_local_checkpoint
 
 
 def test_mmcv_compiled_ops_run():
@@ -34,7 +30,7 @@ def test_toolboxes_import_with_their_pinned_versions():
 
 
 def test_mmengine_style_checkpoint_loads_weights_only(tmp_path):
-    import integrations.openmmlab  # noqa: F401  (registers the loader)
+    import posattn_openmmlab  # noqa: F401  (registers the loader)
     hub = MessageHub.get_instance('test_checkpoint_round_trip')
     hub.update_scalar('train/loss', 1.5)
     hub.update_scalar('train/loss', 0.5)

@@ -1,21 +1,17 @@
 """mmcv's NMS and RoIAlign routed to torchvision (the GPU path of an mmcv without CUDA kernels),
 checked on CPU: routing CPU tensors must give what mmcv's own CPU kernels give, and Mask R-CNN
 must train and predict with every other mmcv kernel unavailable."""
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import mmcv._ext as ext
+from mmcv.ops import RoIAlign, nms, roi_align
 
-import mmcv._ext as ext  # noqa: E402
-from mmcv.ops import RoIAlign, nms, roi_align  # noqa: E402
+from posattn_openmmlab import torchvision_ops
+from posattn_openmmlab.torchvision_ops import (mmcv_has_cuda_kernels, route_mmcv_ops_to_torchvision,
+                                               unroute_mmcv_ops)
+from conftest import REPO
 
-from integrations.openmmlab import torchvision_ops  # noqa: E402
-from integrations.openmmlab.torchvision_ops import (mmcv_has_cuda_kernels, route_mmcv_ops_to_torchvision,  # noqa: E402
-                                                     unroute_mmcv_ops)
 
 ROUTED = ('nms', 'roi_align_forward', 'roi_align_backward')
 
@@ -36,7 +32,7 @@ def random_boxes(n, size=100.0, seed=0):
 
 
 def test_default_routing_follows_how_mmcv_was_built():
-    import integrations.openmmlab.detection  # noqa: F401  (routes on import)
+    import posattn_openmmlab.detection  # noqa: F401  (routes on import)
     expected = frozenset() if mmcv_has_cuda_kernels() else frozenset({'cuda'})
     assert route_mmcv_ops_to_torchvision() == expected
     assert set(torchvision_ops._ORIGINALS) == (set(ROUTED) if expected else set())

@@ -12,10 +12,8 @@ import torch
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 
-from conftest import run_tool
+from conftest import REPO, run_tool
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 CONFIG = 'configs/pervit_t_shapes.py'
 # 16 images in one batch per epoch, without random flips: each iteration sees the same batch, so
 # the loss must fall.
@@ -69,7 +67,7 @@ def logged(work_dir):
 
 
 def load(path):
-    from integrations.openmmlab.checkpoint import load_local_checkpoint
+    from posattn_openmmlab.checkpoint import load_local_checkpoint
     return load_local_checkpoint(str(path), map_location='cpu')
 
 
@@ -113,11 +111,28 @@ def test_tools_test_evaluates_the_checkpoint(trained, tmp_path):
     assert json.loads(out.read_text())['accuracy/top1'] == pytest.approx(last_val['accuracy/top1'])
 
 
+def test_create_model_loads_the_checkpoint_and_gives_the_classifiers_logits(trained):
+    import posattn
+    import posattn_openmmlab  # noqa: F401  (lets posattn's reader accept mmengine's types)
+    from mmengine.config import Config
+    from mmengine.registry import DefaultScope
+    from mmpretrain.registry import MODELS
+    work_dir, _ = trained
+    checkpoint = work_dir / f'epoch_{EPOCHS}.pth'
+    model = posattn.create_model('pervit_tiny', num_classes=6, checkpoint=checkpoint).eval()
+    with DefaultScope.overwrite_default_scope('mmpretrain'):
+        classifier = MODELS.build(Config.fromfile(REPO / CONFIG).model).eval()
+    classifier.load_state_dict(load(checkpoint)['state_dict'])
+    images = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(images), classifier(images, mode='tensor'), rtol=0, atol=1e-5)
+
+
 def test_two_torchrun_ranks_on_cpu_agree_on_gradients(tmp_path):
     config = tmp_path / 'shapes_with_probe.py'
     config.write_text(
         f"_base_ = '{REPO / CONFIG}'\n"
-        "custom_imports = dict(imports=['integrations.openmmlab', 'test_openmmlab_train'], "
+        "custom_imports = dict(imports=['posattn_openmmlab', 'test_openmmlab_train'], "
         "allow_failed_imports=False)\n"
         f"custom_hooks = [dict(type='GradientDigestHook', out_dir='{tmp_path}')]\n")
     run(sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',

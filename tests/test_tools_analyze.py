@@ -3,7 +3,6 @@ model and from a release-layout checkpoint."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +11,8 @@ import posattn
 from posattn import TokenGrid
 from posattn.analysis import nonlocality
 from release_pervit import ReleasePerViT
+from conftest import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
@@ -26,7 +25,6 @@ def analyze(*args):
 
 
 def test_model_normalises_images_as_in_training():
-    sys.path.insert(0, str(ROOT / 'tools'))
     from analyze import build_model
     from mmengine.config import Config
     from mmengine.registry import init_default_scope

@@ -1,22 +1,18 @@
-"""What tools/train.py and tools/test.py share: the repository root on ``sys.path`` (so they run
-from a clone without installing; ``integrations`` is not part of the installed ``posattn``), the
-config handling common to both, and the runner they build (``PosattnRunner``)."""
+"""What tools/train.py and tools/test.py share: the config handling common to both, and the runner
+they build (``PosattnRunner``)."""
 import argparse
 import os
 import os.path as osp
-import sys
 from pathlib import Path
 
+import torch
+from mmengine.config import Config, DictAction
+from mmengine.registry import RUNNERS
+
+import posattn_openmmlab  # noqa: F401  (registrations, weights-only checkpoint loader)
+from posattn_openmmlab.runner import PosattnRunner
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-import torch  # noqa: E402
-from mmengine.config import Config, DictAction  # noqa: E402
-from mmengine.registry import RUNNERS  # noqa: E402
-
-import integrations.openmmlab  # noqa: E402,F401  (registrations, weights-only checkpoint loader)
-from integrations.openmmlab.runner import PosattnRunner  # noqa: E402
 
 
 def add_runner_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,7 +67,7 @@ def build_runner(cfg: Config) -> PosattnRunner:
     name = cfg.get('runner_type', 'PosattnRunner')
     runner_cls = RUNNERS.get(name)
     if not (isinstance(runner_cls, type) and issubclass(runner_cls, PosattnRunner)):
-        raise ValueError(f"runner_type={name!r} in the config is not a PosattnRunner (integrations.openmmlab."
+        raise ValueError(f"runner_type={name!r} in the config is not a PosattnRunner (posattn_openmmlab."
                          f"runner), which tools/train.py and tools/test.py need: use runner_type='PosattnRunner' "
                          f"or a subclass of it")
     return runner_cls.from_cfg(cfg)

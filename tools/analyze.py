@@ -17,16 +17,15 @@ import itertools
 import json
 from pathlib import Path
 
-from _common import REPO_ROOT  # noqa: F401  (repository root on sys.path, registrations)
 import torch
 from mmengine.config import Config, DictAction
 from mmengine.registry import init_default_scope
 from mmengine.runner import CheckpointLoader, Runner
 from mmengine.utils import ProgressBar
 
-from integrations.openmmlab.runner import load_model_weights
 from posattn.analysis import (collect_attention_maps, measure_attention, plot_measures, plot_position_maps,
                               plot_sample_attention)
+from posattn_openmmlab.runner import load_model_weights
 
 
 def parse_args(argv=None):

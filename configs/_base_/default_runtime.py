@@ -3,7 +3,7 @@
 default_scope = 'mmpretrain'
 # Registers PosattnPerViT / PosattnViT, the datasets, the runner and hooks below, the weights-only
 # checkpoint loader and atomic checkpoint writes.
-custom_imports = dict(imports=['integrations.openmmlab'], allow_failed_imports=False)
+custom_imports = dict(imports=['posattn_openmmlab'], allow_failed_imports=False)
 # Strict checkpoint loading, resume from the newest complete checkpoint, one training per
 # work_dir, exact resume (integrations/openmmlab/runner.py).
 runner_type = 'PosattnRunner'

@@ -3,7 +3,7 @@
 # stride-16 map to strides 4-64 in place of the FPN.
 _base_ = ['mmdet::_base_/models/mask-rcnn_r50_fpn.py', './pervit_dense_backbone.py']
 
-custom_imports = dict(imports=['integrations.openmmlab', 'integrations.openmmlab.detection'],
+custom_imports = dict(imports=['posattn_openmmlab', 'posattn_openmmlab.detection'],
                       allow_failed_imports=False)
 # Strict checkpoint loading, resume from the newest complete checkpoint, one training per
 # work_dir, exact resume (integrations/openmmlab/runner.py). Configs built on this one also set

@@ -3,7 +3,7 @@
 # 32) from its one stride-16 map in place of ResNet's stages.
 _base_ = ['mmseg::_base_/models/upernet_r50.py', './pervit_dense_backbone.py']
 
-custom_imports = dict(imports=['integrations.openmmlab', 'integrations.openmmlab.segmentation'],
+custom_imports = dict(imports=['posattn_openmmlab', 'posattn_openmmlab.segmentation'],
                       allow_failed_imports=False)
 # Strict checkpoint loading, resume from the newest complete checkpoint, one training per
 # work_dir, exact resume (integrations/openmmlab/runner.py). Configs built on this one also set

@@ -1,6 +1,6 @@
 """posattn in OpenMMLab (mmengine / mmpretrain / mmdet / mmseg): import this module once.
 
-``custom_imports = dict(imports=['integrations.openmmlab'], allow_failed_imports=False)`` in a
+``custom_imports = dict(imports=['posattn_openmmlab'], allow_failed_imports=False)`` in a
 config (or importing it in a script) does six things:
 
 * registers the backbones ``PosattnPerViT`` and ``PosattnViT`` in mmengine's root ``MODELS``

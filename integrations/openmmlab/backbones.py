@@ -2,7 +2,7 @@
 
 The root registry is the parent of mmpretrain's, mmdet's and mmseg's, so a config of any of
 them builds ``dict(type='PosattnPerViT', ...)`` or ``dict(type='PosattnViT', ...)`` after
-``custom_imports = dict(imports=['integrations.openmmlab'])``. The ``Posattn`` prefix keeps the
+``custom_imports = dict(imports=['posattn_openmmlab'])``. The ``Posattn`` prefix keeps the
 names clear of the toolboxes' own ``VisionTransformer`` and friends.
 
 Both follow mmpretrain's backbone conventions (``arch`` table or dict, ``out_indices``,
@@ -110,7 +110,7 @@ class _PretrainedMixin:
                 f'--cfg-options model.backbone.init_cfg.checkpoint=PATH, or train from scratch with '
                 f'--cfg-options model.backbone.init_cfg=None')
         # mmengine's CheckpointLoader handles URLs; local files go through the weights-only
-        # loader that integrations.openmmlab.checkpoint registers.
+        # loader that posattn_openmmlab.checkpoint registers.
         raw = CheckpointLoader.load_checkpoint(checkpoint, map_location=cfg.get('map_location', 'cpu'))
         state_dict, layout = to_posattn_layout(raw)
         source = f'checkpoint {checkpoint} ({layout} layout)'

@@ -84,7 +84,7 @@ def load_local_checkpoint(filename: str, map_location: Optional[Any] = None) -> 
             raise  # empty, truncated or not a PyTorch file: read_checkpoint's message names it
         raise pickle.UnpicklingError(
             f'{filename} holds objects that weights-only loading refuses and that are not among the '
-            f'mmengine checkpoint types integrations.openmmlab.checkpoint allows. If you trust the '
+            f'mmengine checkpoint types posattn_openmmlab.checkpoint allows. If you trust the '
             f'file, load it yourself and torch.save its state_dict alone.\n{error.__cause__}') from error
 
 

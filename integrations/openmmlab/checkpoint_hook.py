@@ -12,7 +12,7 @@ changes when things happen:
 * the pointer is written in a staging folder (``.last_checkpoint.staging``, removed afterwards) and
   renamed over ``last_checkpoint``;
 * the checkpoint files themselves are written atomically by the storage backend that
-  ``integrations.openmmlab`` registers (:mod:`.atomic`); partial files that killed writes left
+  ``posattn_openmmlab`` registers (:mod:`.atomic`); partial files that killed writes left
   behind are deleted when training starts (only one training runs in a work_dir:
   :mod:`.work_dir_lock`).
 

@@ -1,6 +1,6 @@
 """mmdet datasets: the embedded shapes set as COCO instances, and COCO with a clear error when absent.
 
-Import with ``custom_imports = dict(imports=['integrations.openmmlab', 'integrations.openmmlab.detection'])``;
+Import with ``custom_imports = dict(imports=['posattn_openmmlab', 'posattn_openmmlab.detection'])``;
 both register in mmdet's ``DATASETS`` and evaluate with mmdet's ``CocoMetric``. Importing it also
 routes mmcv's NMS and RoIAlign on CUDA tensors to torchvision when mmcv has no CUDA kernels
 (:mod:`.torchvision_ops`), so the detection configs train on a GPU with a CPU-ops mmcv build.

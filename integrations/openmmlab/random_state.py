@@ -96,7 +96,7 @@ class _RestoreAfterSkipping:
 @HOOKS.register_module()
 class RandomStateHook(Hook):
     """Random states in checkpoints, restored on resume; validation leaves them as they were
-    (module docstring). :class:`~integrations.openmmlab.runner.PosattnRunner` registers it."""
+    (module docstring). :class:`~posattn_openmmlab.runner.PosattnRunner` registers it."""
 
     priority = 'VERY_HIGH'  # first at before_val, so that no other hook draws before the capture
 

@@ -1,6 +1,6 @@
 """mmseg datasets: the embedded shapes set as PNG label maps, and ADE20K with a clear error when absent.
 
-Import with ``custom_imports = dict(imports=['integrations.openmmlab', 'integrations.openmmlab.segmentation'])``;
+Import with ``custom_imports = dict(imports=['posattn_openmmlab', 'posattn_openmmlab.segmentation'])``;
 both register in mmseg's ``DATASETS`` and evaluate with mmseg's ``IoUMetric``.
 """
 from __future__ import annotations
