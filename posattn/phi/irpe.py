@@ -1,30 +1,15 @@
 """``irpe``: image relative position encoding (Wu et al., ICCV 2021, "Rethinking and Improving
 Relative Position Encoding for Vision Transformer"), as the authors' release computes it.
 
-Tokens are ``num_prefix_tokens`` extra tokens, then an H x W grid in row-major order. A grid
-pair (i, j) with offset (dr, dc) = p_i - p_j (query minus key) falls in a bucket id(i, j) (Sec. 3.2-3.3):
-
-    g(x) = x                                                          |x| <= alpha
-    g(x) = sign(x) min(round(alpha + ln(|x| / alpha) / ln(gamma / alpha) (beta - alpha)), beta)
-    truncated to an integer; alpha = ratio, beta = 2 ratio, gamma = 8 ratio, b = int(beta)
-
-    euc      g(round(sqrt(dr^2 + dc^2))) + b          2b + 1 buckets
-    quant    g(dr^2 + dc^2) + b                       2b + 1 buckets
-    cross    rows g(dr) + b and columns g(dc) + b     two tables of 2b + 1, terms summed
-    product  (g(dr) + b)(2b + 1) + g(dc) + b          (2b + 1)^2 buckets
-
-and every pair involving an extra token shares one more bucket. With q_s = q / sqrt(d) and
-k_s = k / sqrt(d), each table T (shared by the heads or one per head) adds (Eq. 11-13)
-
-    bias mode, on k:   b[h, i, j] += T_k[h, id(i, j)]
-    bias mode, on q:   b[h, i, j] += T_q[h, id(j, i)]
-    ctx mode,  on k:   b[b, h, i, j] += q_s[b, h, i] . T_k[h, :, id(i, j)]
-    ctx mode,  on q:   b[b, h, i, j] += k_s[b, h, j] . T_q[h, :, id(j, i)]
-    ctx mode,  on v:   out[b, h, i] += sum_j A[b, h, i, j] T_v[h, id(i, j), :]
-
-to softmax(q_s k^T + b) V, A being the attention probabilities. The contextual terms never build
-an (L, L, d) tensor: q_s @ T_k gives (B, heads, L, buckets), gathered by the (L, L) id table; on
-v, A is summed into (B, heads, L, buckets) by bucket and multiplied by T_v.
+Every (query, key) pair of the grid falls in a bucket by its 2D offset (Sec. 3.2-3.3: the
+piecewise index g and the methods euc, quant, cross, product), pairs with a prefix token in one
+more, and a learned table per bucket adds to the logits (bias mode, or contextual: dotted with the
+query or key) or to the output (contextual, on v), Eq. 11-13. The formulas, written out pair by
+pair, are :func:`posattn.reference.irpe_bucket_ids` and :func:`posattn.reference.irpe_attention`
+(and ``docs/phi.md``). Here the id table is computed once per grid on the offset canvas, and the
+contextual terms never build an (N, N, d) tensor: q_s @ T_k gives (B, heads, N, buckets), gathered
+by the (N, N) id table; on v, the probabilities are summed into (B, heads, N, buckets) by bucket
+and multiplied by T_v.
 """
 from __future__ import annotations
 
