@@ -58,6 +58,16 @@ def randomise_peripheral(phi, seed):
     return phi
 
 
+def gradcheck_layer(layer, x, hw):
+    """torch.autograd.gradcheck of ``layer(x, hw)`` in the input and every parameter (float64)."""
+    names = [n for n, _ in layer.named_parameters()]
+    params = tuple(p.detach().clone().requires_grad_() for _, p in layer.named_parameters())
+
+    def run(x, *values):
+        return torch.func.functional_call(layer, dict(zip(names, values)), (x, hw))
+    return torch.autograd.gradcheck(run, (x.requires_grad_(), *params), fast_mode=True)
+
+
 def run_tool(*command, timeout, env=None):
     """Run ``command`` from the repository root (e.g. ``sys.executable, 'tools/train.py', ...``) and
     return its stdout + stderr; a non-zero exit fails the test with the tail of both."""

@@ -1,14 +1,13 @@
 """posattn.Attention: the release's MPA formula, plain MHSA, gradients, caching and errors."""
 import pytest
 import torch
-from torch.func import functional_call
 
 import posattn
 from posattn import Attention, TokenGrid
 
 from posattn.reference import peripheral_attention, peripheral_position_attention, softmax_attention
 
-from conftest import randomise_peripheral
+from conftest import gradcheck_layer, randomise_peripheral
 
 
 def peripheral_layer(dim=16, num_heads=2, num_prefix_tokens=1, seed=0, dtype=torch.float64):
@@ -46,13 +45,7 @@ def test_none_equals_plain_softmax_attention():
 def test_gradcheck_through_layer_and_phi_parameters():
     """Gradients of the input and of every parameter, Φp included, on a 3 x 4 grid with a class token."""
     layer = peripheral_layer(dim=8, num_heads=2, num_prefix_tokens=1)
-    names = [n for n, _ in layer.named_parameters()]
-    params = tuple(p.detach().clone().requires_grad_() for _, p in layer.named_parameters())
-    x = torch.randn(2, 13, 8, dtype=torch.float64, requires_grad=True)
-
-    def run(x, *values):
-        return functional_call(layer, dict(zip(names, values)), (x, (3, 4)))
-    assert torch.autograd.gradcheck(run, (x, *params), fast_mode=True)
+    assert gradcheck_layer(layer, torch.randn(2, 13, 8, dtype=torch.float64), (3, 4))
 
 
 def test_phi_does_not_depend_on_the_batch():

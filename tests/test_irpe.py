@@ -1,14 +1,13 @@
 """iRPE: the release fixture, float64 references for every method / mode / target, gradients, errors."""
 import pytest
 import torch
-from torch.func import functional_call
 
 import posattn
 from posattn import Attention, TokenGrid
 from posattn.phi.irpe import bucket_ids
 from posattn.reference import irpe_attention, irpe_bucket_ids
 
-from conftest import load_fixture
+from conftest import gradcheck_layer, load_fixture
 
 METHODS = ['euc', 'quant', 'cross', 'product']
 
@@ -143,13 +142,7 @@ def test_gradcheck(method, mode, on):
     layer = Attention(8, 2, phi='irpe', num_prefix_tokens=1, phi_cfg=dict(
         method=method, mode=mode, on=on, shared_head=False, ratio=0.9, num_prefix_tokens=1)).double()
     layer.phi.load_release_tables(random_tables(layer.phi, torch.Generator().manual_seed(1)))
-    names = [n for n, _ in layer.named_parameters()]
-    params = tuple(p.detach().clone().requires_grad_() for _, p in layer.named_parameters())
-    x = torch.randn(2, 7, 8, dtype=torch.float64, requires_grad=True)
-
-    def run(x, *values):
-        return functional_call(layer, dict(zip(names, values)), (x, (2, 3)))
-    assert torch.autograd.gradcheck(run, (x, *params), fast_mode=True)
+    assert gradcheck_layer(layer, torch.randn(2, 7, 8, dtype=torch.float64), (2, 3))
 
 
 # --- bad input -------------------------------------------------------------------------------
