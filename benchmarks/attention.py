@@ -80,7 +80,7 @@ def run(args) -> List[Dict[str, object]]:
         minimum = 1.7 if size <= 14 else 2.0
         rows.append(compare(
             'Φp fwd+bwd', size,
-            {'release': fwd_bwd(lambda: reference.peripheral_position_attention(size, size, *phi.weights()),
+            {'release': fwd_bwd(lambda: reference.peripheral_position_attention(size, size, phi.weights()),
                                 phi_upstream[0]),
              'posattn': fwd_bwd(lambda: phi.logits_bias(q, q, grid), phi_upstream)},
             f'speed-up >= {minimum}x', lambda r, m=minimum: r['A/B time'] >= m, args, memory=True))

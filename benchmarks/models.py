@@ -60,7 +60,7 @@ class ReleaseMPA(nn.Module):
 
     def forward(self, x: torch.Tensor, hw: TokenGrid) -> torch.Tensor:
         layer = self.layer
-        phi = reference.peripheral_position_attention(self.height, self.width, *layer.phi.weights())
+        phi = reference.peripheral_position_attention(self.height, self.width, layer.phi.weights())
         return reference.peripheral_attention(x, layer.qkv.weight, layer.qkv.bias, layer.proj.weight,
                                               layer.proj.bias, layer.num_heads, phi)
 
@@ -112,7 +112,7 @@ def gmac(model: nn.Module, images: torch.Tensor, phi_counted: bool, attention_co
 def release_phi_gmac(num_heads: int, side: int, num_layers: int) -> float:
     weights = PeripheralPhi(num_heads).weights()
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        reference.peripheral_position_attention(side, side, *weights)
+        reference.peripheral_position_attention(side, side, weights)
     return counter.get_total_flops() / 2 * num_layers / 1e9
 
 

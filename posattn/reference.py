@@ -3,11 +3,11 @@
 Each function computes what a fast path of posattn computes, the straightforward way the papers'
 released code does, without posattn's shortcuts. The tests run them in float64 as the oracle of
 the fast paths; the benchmarks time them as the baseline that the shortcuts are measured against.
-Parameters come in posattn's layout (:mod:`posattn.convert` maps the releases' names), in the
-order of :meth:`posattn.phi.peripheral.PeripheralPhi.weights` for the peripheral Φp.
+Parameters come in posattn's layout (:mod:`posattn.convert` maps the releases' names); the
+peripheral Φp's as a :class:`~posattn.phi.peripheral.PeripheralWeights`.
 
     from posattn import reference
-    slow = reference.peripheral_position_attention(14, 14, *phi.weights())     # (heads, 196, 196)
+    slow = reference.peripheral_position_attention(14, 14, phi.weights())     # (heads, 196, 196)
 """
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from typing import List, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from .phi.peripheral import PeripheralWeights
 
 __all__ = ['padded_coordinates', 'peripheral_position_attention', 'peripheral_attention',
            'softmax_attention', 'irpe_bucket_ids', 'irpe_attention']
@@ -44,12 +46,7 @@ def _instance_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) ->
     return (x - mean) / torch.sqrt(var + NORM_EPS) * weight[:, None, None] + bias[:, None, None]
 
 
-def peripheral_position_attention(height: int, width: int, distance_weight: torch.Tensor,
-                                  distance_bias: torch.Tensor, proj1_weight: torch.Tensor,
-                                  proj1_bias: torch.Tensor, norm1_weight: torch.Tensor,
-                                  norm1_bias: torch.Tensor, proj2_weight: torch.Tensor,
-                                  proj2_bias: torch.Tensor, norm2_weight: torch.Tensor,
-                                  norm2_bias: torch.Tensor) -> torch.Tensor:
+def peripheral_position_attention(height: int, width: int, weights: PeripheralWeights) -> torch.Tensor:
     """PerViT's Φp (Eq. 6-8) as the release computes it: (heads, H*W, H*W), [head, query, key].
 
     R[q, k, r] = w_r ||c_k - c_q|| + b_r over every pair of the 2-padded grid (all 4 * heads
@@ -57,15 +54,17 @@ def peripheral_position_attention(height: int, width: int, distance_weight: torc
     (H+4) x (W+4) keys: 3x3 valid conv, instance norm, ReLU, 3x3 valid conv, instance norm,
     sigmoid.
     """
-    ys, xs = padded_coordinates(height, distance_weight.dtype), padded_coordinates(width, distance_weight.dtype)
+    w = weights
+    ys, xs = padded_coordinates(height, w.distance_weight.dtype), padded_coordinates(width, w.distance_weight.dtype)
     coords = torch.stack(torch.meshgrid(ys, xs, indexing='ij'), dim=-1).reshape(-1, 2)
     distances = (coords[None, :, :] - coords[:, None, :]).square().sum(-1).sqrt()  # [q, k] = ||c_k - c_q||
-    embedded = F.linear(distances[..., None], distance_weight, distance_bias)  # (N', N', D_r)
+    embedded = F.linear(distances[..., None], w.distance_weight, w.distance_bias)  # (N', N', D_r)
     rows, cols = height + 2 * PADDING, width + 2 * PADDING
     inner = embedded.reshape(rows, cols, rows * cols, -1)[PADDING:-PADDING, PADDING:-PADDING]
     x = inner.reshape(height * width, rows, cols, -1).permute(0, 3, 1, 2)  # (queries, D_r, H+4, W+4)
-    x = _instance_norm(F.conv2d(x, proj1_weight, proj1_bias), norm1_weight, norm1_bias)
-    x = _instance_norm(F.conv2d(F.relu(x), proj2_weight, proj2_bias), norm2_weight, norm2_bias)  # (queries, heads, H, W)
+    x = _instance_norm(F.conv2d(x, w.proj1_weight, w.proj1_bias), w.norm1_weight, w.norm1_bias)
+    x = _instance_norm(F.conv2d(F.relu(x), w.proj2_weight, w.proj2_bias), w.norm2_weight, w.norm2_bias)
+    # x: (queries, heads, H, W)
     return torch.sigmoid(x).reshape(height * width, -1, height * width).permute(1, 0, 2)
 
 

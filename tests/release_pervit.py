@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from posattn.phi.peripheral import PeripheralWeights
 from posattn.reference import peripheral_attention, peripheral_position_attention
 
 # heads, stage dims, conv-stem dims (spec "PerViT models"; paper Table A5)
@@ -97,9 +98,9 @@ class ReleasePerViT(nn.Module):
 
     def phi_p(self, block, height, width):
         a = block.attn.activation
-        return peripheral_position_attention(  # (heads, HW, HW)
-            height, width, self.rpe_proj.weight, self.rpe_proj.bias, a.conv1.weight, a.conv1.bias,
-            a.gn1.weight, a.gn1.bias, a.conv2.weight, a.conv2.bias, a.gn2.weight, a.gn2.bias)
+        return peripheral_position_attention(height, width, PeripheralWeights(  # (heads, HW, HW)
+            self.rpe_proj.weight, self.rpe_proj.bias, a.conv1.weight, a.conv1.bias, a.gn1.weight, a.gn1.bias,
+            a.conv2.weight, a.conv2.bias, a.gn2.weight, a.gn2.bias))
 
     @torch.no_grad()
     def forward(self, images):

@@ -19,7 +19,7 @@ def peripheral_layer(dim=16, num_heads=2, num_prefix_tokens=1, seed=0, dtype=tor
 def release_phi(layer, height, width):
     """The layer's Φp computed the straightforward way (posattn.reference)."""
     with torch.no_grad():
-        return peripheral_position_attention(height, width, *layer.phi.weights())
+        return peripheral_position_attention(height, width, layer.phi.weights())
 
 
 def layer_weights(layer):

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from posattn.phi import peripheral
-from posattn.phi.peripheral import DistanceEmbedding, PeripheralPhi, peripheral_init
+from posattn.phi.peripheral import DistanceEmbedding, PeripheralPhi, PeripheralWeights, peripheral_init
 
 from posattn.convert import pervit_from_release
 from posattn.reference import peripheral_position_attention
@@ -20,7 +20,7 @@ def make_phi(num_heads, seed, dtype=torch.float64):
 def release_phi(phi, height, width):
     """Φp computed the straightforward way, as the release does (posattn.reference)."""
     with torch.no_grad():
-        return peripheral_position_attention(height, width, *phi.weights())
+        return peripheral_position_attention(height, width, phi.weights())
 
 
 @pytest.mark.parametrize('height,width', GRIDS)
@@ -38,7 +38,7 @@ def test_gradients_equal_straightforward_release_computation():
     upstream = torch.rand(2, 20, 20, dtype=torch.float64)
     (phi.position_attention(4, 5) * upstream).sum().backward()
     leaves = [w.detach().clone().requires_grad_() for w in phi.weights()]
-    (peripheral_position_attention(4, 5, *leaves) * upstream).sum().backward()
+    (peripheral_position_attention(4, 5, PeripheralWeights(*leaves)) * upstream).sum().backward()
     names = {id(p): n for n, p in phi.named_parameters()}
     for param, leaf in zip(phi.weights(), leaves):
         torch.testing.assert_close(param.grad, leaf.grad, rtol=1e-8, atol=1e-10, msg=names[id(param)])

@@ -23,7 +23,7 @@ sharp Φp (z around -60) exact where the release's L1 normalisation loses the ro
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,7 @@ from ..grid import TokenGrid
 from .base import PositionalModule
 from .registry import register_phi
 
-__all__ = ['PeripheralPhi', 'DistanceEmbedding', 'peripheral_init', 'peripheral_log_attention']
+__all__ = ['PeripheralPhi', 'PeripheralWeights', 'DistanceEmbedding', 'peripheral_init', 'peripheral_log_attention']
 
 KERNEL_SIZE = 3  # PP1 and PP2; keys are padded by 2 so that both valid convolutions end on H x W
 NORM_EPS = 1e-5
@@ -241,12 +241,22 @@ class _LogPeripheralAttention(torch.autograd.Function):
                 grad_norm2_bias)
 
 
-def peripheral_log_attention(height: int, width: int, distance_weight: torch.Tensor,
-                             distance_bias: torch.Tensor, proj1_weight: torch.Tensor,
-                             proj1_bias: torch.Tensor, norm1_weight: torch.Tensor,
-                             norm1_bias: torch.Tensor, proj2_weight: torch.Tensor,
-                             proj2_bias: torch.Tensor, norm2_weight: torch.Tensor,
-                             norm2_bias: torch.Tensor) -> torch.Tensor:
+class PeripheralWeights(NamedTuple):
+    """The parameters of one peripheral Φp, C = 4 * heads channels: the distance embedding w, the
+    first projection PP1 and norm IN1, the second projection PP2 and norm IN2."""
+    distance_weight: torch.Tensor  # (C, 1)
+    distance_bias: torch.Tensor  # (C,)
+    proj1_weight: torch.Tensor  # (C, C, 3, 3)
+    proj1_bias: torch.Tensor  # (C,)
+    norm1_weight: torch.Tensor  # (C,)
+    norm1_bias: torch.Tensor  # (C,)
+    proj2_weight: torch.Tensor  # (heads, C, 3, 3)
+    proj2_bias: torch.Tensor  # (heads,)
+    norm2_weight: torch.Tensor  # (heads,) v: strength
+    norm2_bias: torch.Tensor  # (heads,) s: size
+
+
+def peripheral_log_attention(height: int, width: int, weights: PeripheralWeights) -> torch.Tensor:
     """log Φp for an H x W grid: (heads, H*W, H*W), indexed [head, query, key].
 
     PP1 runs once on the offset canvas, and IN1's window statistics come from the grid's cached
@@ -254,20 +264,21 @@ def peripheral_log_attention(height: int, width: int, distance_weight: torch.Ten
     statistics lose it. The canvas is centred per channel before it is cast, which IN1 cannot
     see but keeps the fp32 windows free of any large offset (the release's biases included).
     """
-    dtype = proj1_weight.dtype
-    shifted, means, covariances = _grid_moments(height, width, proj1_weight.device)
-    proj1 = proj1_weight.double()
-    kernel = torch.einsum('orhw,r->ohw', proj1, distance_weight.double()[:, 0]).flatten(1)
-    offset = torch.einsum('orhw,r->o', proj1, distance_bias.double()) + proj1_bias.double()
+    w = weights
+    dtype = w.proj1_weight.dtype
+    shifted, means, covariances = _grid_moments(height, width, w.proj1_weight.device)
+    proj1 = w.proj1_weight.double()
+    kernel = torch.einsum('orhw,r->ohw', proj1, w.distance_weight.double()[:, 0]).flatten(1)
+    offset = torch.einsum('orhw,r->o', proj1, w.distance_bias.double()) + w.proj1_bias.double()
     canvas = torch.einsum('os,sxy->oxy', kernel, shifted) + offset[:, None, None]  # PP1: (hidden, 2H+1, 2W+1)
     centre = canvas.mean((1, 2), keepdim=True)
     mean = torch.einsum('os,shw->ohw', kernel, means) + offset[:, None, None]  # (hidden, H, W) by window start
     var = torch.einsum('os,sthw,ot->ohw', kernel, covariances, kernel)
-    scale = norm1_weight.double()[:, None, None] * torch.rsqrt(var + NORM_EPS)
-    shift = norm1_bias.double()[:, None, None] - scale * (mean - centre)
-    proj2 = proj2_weight.permute(2, 3, 0, 1).reshape(-1, proj2_weight.shape[1])  # (9 * heads, hidden)
+    scale = w.norm1_weight.double()[:, None, None] * torch.rsqrt(var + NORM_EPS)
+    shift = w.norm1_bias.double()[:, None, None] - scale * (mean - centre)
+    proj2 = w.proj2_weight.permute(2, 3, 0, 1).reshape(-1, w.proj2_weight.shape[1])  # (9 * heads, hidden)
     return _LogPeripheralAttention.apply((canvas - centre).to(dtype), scale.to(dtype), shift.to(dtype),
-                                         proj2, proj2_bias, norm2_weight, norm2_bias)
+                                         proj2, w.proj2_bias, w.norm2_weight, w.norm2_bias)
 
 
 class DistanceEmbedding(nn.Module):
@@ -332,18 +343,17 @@ class PeripheralPhi(PositionalModule):
         self.norm2_bias = nn.Parameter(torch.full((num_heads,), size))  # s_l: size
         self._cache = ParameterValueCache(_CACHE_ENTRIES)
 
-    def weights(self) -> Tuple[torch.Tensor, ...]:
-        """The parameters in the order :func:`peripheral_log_attention` and
-        :func:`posattn.reference.peripheral_position_attention` take them: w, its bias, PP1 weight
-        and bias, IN1 weight and bias, PP2 weight and bias, IN2 weight and bias."""
-        return (self.distance_embedding.weight, self.distance_embedding.bias, self.proj1_weight,
-                self.proj1_bias, self.norm1_weight, self.norm1_bias, self.proj2_weight,
-                self.proj2_bias, self.norm2_weight, self.norm2_bias)
+    def weights(self) -> PeripheralWeights:
+        """The parameters, as :func:`peripheral_log_attention` and
+        :func:`posattn.reference.peripheral_position_attention` take them."""
+        return PeripheralWeights(self.distance_embedding.weight, self.distance_embedding.bias, self.proj1_weight,
+                                 self.proj1_bias, self.norm1_weight, self.norm1_bias, self.proj2_weight,
+                                 self.proj2_bias, self.norm2_weight, self.norm2_bias)
 
     def log_position_attention(self, height: int, width: int) -> torch.Tensor:
         """log Φp for an H x W grid: (heads, H*W, H*W) in the parameters' dtype, [head, query, key]."""
         with torch.autocast(self.proj1_weight.device.type, enabled=False):
-            return peripheral_log_attention(height, width, *self.weights())
+            return peripheral_log_attention(height, width, self.weights())
 
     def position_attention(self, height: int, width: int) -> torch.Tensor:
         """Φp itself (heads, H*W, H*W), values in (0, 1), indexed [head, query, key]."""
