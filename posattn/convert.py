@@ -144,16 +144,19 @@ def is_mmengine_checkpoint(checkpoint: Mapping[str, Any]) -> bool:
     return isinstance(state_dict, Mapping) and any(k.startswith(_MMENGINE_BACKBONE) for k in state_dict)
 
 
-def mmengine_to_posattn(checkpoint: Mapping[str, Any]) -> StateDict:
+def mmengine_to_posattn(checkpoint: Mapping[str, Any], model_only: bool = False) -> StateDict:
     """The posattn model inside an mmengine checkpoint of ``PosattnPerViT`` / ``PosattnViT``:
     ``backbone.model.*`` without the prefix, mmpretrain's ``head.fc.*`` as ``head.*``. Other keys
-    (necks, detection or segmentation heads) are kept as they are, so that loading reports them."""
+    (necks, detection or segmentation heads) are kept as they are, so that loading reports them,
+    unless ``model_only``."""
     converted = {}
     for key, value in checkpoint['state_dict'].items():
         if key.startswith(_MMENGINE_BACKBONE):
             key = key[len(_MMENGINE_BACKBONE):]
         elif key.startswith(_MMENGINE_HEAD):
             key = 'head.' + key[len(_MMENGINE_HEAD):]
+        elif model_only:
+            continue
         converted[key] = value
     return converted
 

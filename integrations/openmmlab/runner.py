@@ -43,7 +43,7 @@ from mmengine.registry import RUNNERS
 from mmengine.runner import CheckpointLoader, Runner
 from mmengine.runner.checkpoint import find_latest_checkpoint
 
-from posattn.convert import is_mmengine_checkpoint, to_posattn_layout
+from posattn.convert import is_mmengine_checkpoint, mmengine_to_posattn, to_posattn_layout
 from posattn.models.registry import fitting_model, load_weights, state_dict_mismatch
 
 from .random_state import RandomStateHook
@@ -51,7 +51,6 @@ from .work_dir_lock import WorkDirInUseError, WorkDirLock
 
 __all__ = ['PosattnRunner', 'load_model_weights']
 
-_BACKBONE_PARTS = ('backbone.model.', 'head.fc.')  # posattn's model inside an mmengine classifier
 PARTIAL_LOAD_HINT = ('  to load only the weights that fit: --partial-load (tools/train.py, tools/test.py) or '
                      'partial_load = True in the config; every skipped key is then logged')
 
@@ -62,8 +61,7 @@ def _posattn_model_in(checkpoint: Any) -> Tuple[Optional[str], str]:
     if not isinstance(checkpoint, Mapping):
         return None, 'unknown'
     if is_mmengine_checkpoint(checkpoint):
-        state_dict = checkpoint['state_dict']
-        checkpoint = {'state_dict': {k: v for k, v in state_dict.items() if k.startswith(_BACKBONE_PARTS)}}
+        return fitting_model(mmengine_to_posattn(checkpoint, model_only=True)), 'mmengine'
     state_dict, layout = to_posattn_layout(checkpoint)
     return fitting_model(state_dict), layout
 
