@@ -7,7 +7,7 @@ from . import functional
 from .attention import Attention
 from .grid import TokenGrid
 from .models import create_model, list_models, register_model
-from .models.swap import swap_attention
+from .swap import swap_attention
 from .phi import PositionalModule, build_phi, list_phis, register_phi
 
 __version__ = '0.1.0'

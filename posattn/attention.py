@@ -1,7 +1,7 @@
 """The one attention layer of posattn: qkv -> logits (+ Φp) -> softmax -> v -> proj."""
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Tuple, Union
 
 import torch
 from einops import rearrange
@@ -18,14 +18,15 @@ class LogitsProbe(nn.Module):
     """Where the layer's attention logits can be observed: called with (q, k, bias, grid), computes nothing.
 
     ``q``, ``k``: (B, heads, N, head_dim), unscaled; ``bias``: Φp's logits bias or None; ``grid``:
-    the :class:`TokenGrid` of the N tokens; ``key_mask``: the layer's key mask or None, passed by
-    keyword (a hook registered ``with_kwargs=True`` sees it). A forward hook on it sees exactly what
-    the layer's softmax uses, whatever called the layer (``posattn.analysis`` reads attention maps
-    this way).
+    the :class:`TokenGrid` of the N tokens; ``key_mask``: the layer's key mask or None, and
+    ``own_bias``: the logits bias of the model's own positional scheme (in a swapped model: a
+    relative position table, Swin's shift mask) or None, both passed by keyword (a hook registered
+    ``with_kwargs=True`` sees them). A forward hook on it sees exactly what the layer's softmax
+    uses, whatever called the layer (``posattn.analysis`` reads attention maps this way).
     """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor], grid: TokenGrid,
-                key_mask: Optional[torch.Tensor] = None) -> None:
+                key_mask: Optional[torch.Tensor] = None, own_bias: Optional[torch.Tensor] = None) -> None:
         return None
 
 
@@ -52,11 +53,15 @@ class Attention(nn.Module):
         attn_drop: dropout on the attention probabilities (materialises them while training).
         proj_drop: dropout after the output projection.
         num_prefix_tokens: extra tokens (class, distillation) before the grid in every input.
+        qk_norm: normalise each head's queries and keys (``q_norm``, ``k_norm``: timm's names and
+            placement, Dehghani et al. 2023) before the logits and the Φp.
+        norm_layer: the normalisation ``qk_norm`` uses, called with ``head_dim``.
     """
 
     def __init__(self, dim: int, num_heads: int, phi: Union[str, PositionalModule] = 'none',
                  phi_cfg: Optional[Mapping[str, Any]] = None, qkv_bias: bool = True,
-                 attn_drop: float = 0.0, proj_drop: float = 0.0, num_prefix_tokens: int = 0):
+                 attn_drop: float = 0.0, proj_drop: float = 0.0, num_prefix_tokens: int = 0,
+                 qk_norm: bool = False, norm_layer: Callable[[int], nn.Module] = nn.LayerNorm):
         super().__init__()
         if num_heads < 1 or dim % num_heads:
             raise ValueError(f'dim {dim} is not divisible by num_heads {num_heads}')
@@ -71,6 +76,8 @@ class Attention(nn.Module):
             self.phi = build_layer_phi(phi, phi_cfg, dim=dim, num_heads=num_heads,
                                        num_prefix_tokens=num_prefix_tokens)
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.q_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
+        self.k_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
         self.attn_drop = nn.Dropout(attn_drop)
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
@@ -83,14 +90,35 @@ class Attention(nn.Module):
         tokens of windowed attention). A sequence with no key left attends to nothing: its
         attention output is zero (the layer returns ``proj``'s bias), with zero gradients.
         """
+        grid = self.grid_of(x, hw)
+        x = self.phi.tokens(x, grid)
+        q, k, v = self.split_heads(self.qkv(x))
+        out = self.attend(q, k, v, grid, key_mask)
+        return self.proj_drop(self.proj(out))
+
+    def grid_of(self, x: torch.Tensor, hw: GridLike) -> TokenGrid:
+        """The :class:`TokenGrid` of ``x`` (B, N, C), checked against its channels, dtype and N."""
         grid = TokenGrid.of(hw, self.num_prefix_tokens)
         self._check_input(x)
         grid.check_num_tokens(x.shape[1])
-        x = self.phi.tokens(x, grid)
-        q, k, v = rearrange(self.qkv(x), 'b n (three h d) -> three b h n d',
-                            three=3, h=self.num_heads).unbind(0)
-        bias = self.phi.logits_bias(q, k, grid)
-        self.logits_probe(q, k, bias, grid, key_mask=key_mask)
+        return grid
+
+    def split_heads(self, qkv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv (B, N, 3 * heads * d) -> q, k, v, each (B, heads, N, d), with q and k normalised."""
+        q, k, v = rearrange(qkv, 'b n (three h d) -> three b h n d', three=3, h=self.num_heads).unbind(0)
+        return self.q_norm(q), self.k_norm(k), v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: TokenGrid,
+               key_mask: Optional[torch.Tensor] = None, own_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d) + Φp's bias + own_bias) v (+ Φp's value term), heads merged:
+        (B, N, heads * d), before the output projection.
+
+        ``own_bias``: an additive logits bias broadcastable to (B, heads, N, N) that is not the
+        Φp's (a swapped model's own relative positions or shift mask), or None.
+        """
+        phi_bias = self.phi.logits_bias(q, k, grid)
+        self.logits_probe(q, k, phi_bias, grid, key_mask=key_mask, own_bias=own_bias)
+        bias = phi_bias if own_bias is None else own_bias if phi_bias is None else phi_bias + own_bias
         if self.phi.uses_attention_probs or (self.training and self.attn_drop.p > 0):
             attn = self.attn_drop(attention_probs(q, k, bias, key_mask))
             out = attn @ v
@@ -99,7 +127,7 @@ class Attention(nn.Module):
                 out = out + value_term
         else:
             out = biased_attention(q, k, v, bias, key_mask)
-        return self.proj_drop(self.proj(rearrange(out, 'b h n d -> b n (h d)')))
+        return rearrange(out, 'b h n d -> b n (h d)')
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.dim() != 3:

@@ -75,3 +75,57 @@ def run_tool(*command, timeout, env=None):
                             env=dict(os.environ, **(env or {})))
     assert result.returncode == 0, f'{" ".join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}'
     return result.stdout + result.stderr
+
+
+def randomised(model, seed=0):
+    """``model`` in eval mode with every parameter random, zero-initialised biases, heads and
+    relative position tables included (parameters equal to one stay near one: norm scales)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.05 + (param == 1) * 1.0)
+    return model.eval()
+
+
+def _tensors(output):
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    return [t for item in output for t in _tensors(item)]
+
+
+def assert_swap_keeps_outputs(model, x, atol=1e-5, **swap_options):
+    """Swapping 'none' into a randomised copy of ``model`` changes no output, in eval mode and in
+    train mode (the model must have no dropout); returns the swapped copy."""
+    import copy
+    import posattn
+    model = randomised(model)
+    swapped = posattn.swap_attention(copy.deepcopy(model), phi='none', **swap_options)
+    for training in (False, True):
+        model.train(training), swapped.train(training)
+        with torch.no_grad():
+            expected, got = _tensors(model(x)), _tensors(swapped(x))
+        assert len(got) == len(expected) and max(e.abs().max() for e in expected) > 1e-2
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, rtol=0, atol=atol)
+    return swapped.eval()
+
+
+def assert_trains_with_every_phi(build_model, x, **swap_options):
+    """For every registered Φp: swap it into ``build_model()``, take a training step's backward,
+    and check that the loss is finite and every Φp received a gradient."""
+    import posattn
+    from posattn.swap import SwappedAttention
+    for phi in posattn.list_phis():
+        torch.manual_seed(0)
+        model = posattn.swap_attention(build_model(), phi=phi, **swap_options).train()
+        loss = sum(t.float().square().mean() for t in _tensors(model(x)))
+        loss.backward()
+        assert torch.isfinite(loss), phi
+        layers = [m for m in model.modules() if isinstance(m, SwappedAttention)]
+        assert layers, phi
+        for layer in layers:
+            grads = [p.grad for p in layer.phi.parameters()]
+            assert all(g is not None and torch.isfinite(g).all() for g in grads), phi
+            assert not grads or any(g.abs().sum() > 0 for g in grads), phi

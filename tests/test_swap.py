@@ -6,32 +6,15 @@ import torch
 from torch import nn
 
 import posattn
-from posattn.models.swap import swap_attention
+from conftest import assert_swap_keeps_outputs, randomised
+from posattn.swap import swap_attention
 
 timm = pytest.importorskip('timm')
 
 
-def randomised(model):
-    """Eval model with every parameter random, the zero-initialised biases and heads included."""
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.05 + (param == 1) * 1.0)
-    return model.eval()
-
-
-def assert_swap_keeps_outputs(model, x):
-    swapped = swap_attention(copy.deepcopy(model), phi='none')
-    with torch.no_grad():
-        expected = model(x)
-        assert expected.abs().max() > 1e-2
-        torch.testing.assert_close(swapped(x), expected, rtol=0, atol=1e-5)
-    return swapped
-
-
 @pytest.mark.parametrize('name', ['vit_tiny_patch16_224', 'deit_tiny_distilled_patch16_224'])
 def test_timm_none_equals_original(name):
-    model = randomised(timm.create_model(name, pretrained=False))
+    model = timm.create_model(name, pretrained=False)
     swapped = assert_swap_keeps_outputs(model, torch.randn(2, 3, 224, 224))
     layers = [block.attn for block in swapped.blocks]
     assert all(isinstance(layer, posattn.Attention) for layer in layers) and len(layers) == 12
@@ -43,7 +26,7 @@ def test_timm_none_equals_original(name):
 def test_torchvision_none_equals_original():
     """torchvision's ViT-B/16 (86M parameters, about 3 s)."""
     torchvision = pytest.importorskip('torchvision')
-    model = randomised(torchvision.models.vit_b_16())
+    model = torchvision.models.vit_b_16()
     swapped = assert_swap_keeps_outputs(model, torch.randn(1, 3, 224, 224))
     layer = swapped.encoder.layers[5].self_attention
     assert isinstance(layer, posattn.Attention) and layer.num_heads == 12
@@ -77,7 +60,7 @@ def test_grid_follows_the_input_and_matches_posattn_vit():
         x = torch.randn(2, 3, *size)
         with torch.no_grad():
             torch.testing.assert_close(swapped(x), reference(x), rtol=1e-5, atol=1e-5)
-        assert swapped.blocks[0].attn.grid_probe.grid == posattn.TokenGrid(size[0] // 8, size[1] // 8, 1)
+        assert swapped.blocks[0].attn.current_grid() == posattn.TokenGrid(size[0] // 8, size[1] // 8, 1)
 
 
 def test_a_copy_follows_its_own_inputs():
@@ -85,8 +68,8 @@ def test_a_copy_follows_its_own_inputs():
     clone = copy.deepcopy(swapped)
     with torch.no_grad():
         clone(torch.randn(1, 3, 24, 40))
-    assert clone.blocks[1].attn.grid_probe.grid == posattn.TokenGrid(3, 5, 1)
-    assert swapped.blocks[1].attn.grid_probe.grid is None
+    assert clone.blocks[1].attn.current_grid() == posattn.TokenGrid(3, 5, 1)
+    assert swapped.blocks[1].attn.grid_probe.hw is None
 
 
 def test_fine_tuning_a_swapped_model_lowers_the_loss():
@@ -106,21 +89,26 @@ def test_fine_tuning_a_swapped_model_lowers_the_loss():
 
 
 def test_unsupported_models_name_what_was_found():
-    with pytest.raises(TypeError, match="supports timm's and torchvision's VisionTransformer; got "
-                                        "torch.nn.modules.container.Sequential"):
+    with pytest.raises(TypeError, match="no supported attention in torch.nn.modules.container.Sequential; "
+                                        "swap_attention knows timm's VisionTransformer"):
         swap_attention(nn.Sequential(nn.Linear(2, 2)))
     model = small_timm_vit()
     model.blocks[1].attn = nn.Identity()
-    with pytest.raises(TypeError, match='block 1 of the timm model holds torch.nn.modules.linear.Identity'):
+    with pytest.raises(TypeError, match=r'block 1 \(timm.models.vision_transformer.Block\) holds '
+                                        'torch.nn.modules.linear.Identity, not timm.layers.Attention'):
         swap_attention(model)
-    with pytest.raises(TypeError, match=r"lacks: \{'q_norm': 'LayerNorm', 'k_norm': 'LayerNorm'\}"):
-        swap_attention(small_timm_vit(qk_norm=True))
+    model = small_timm_vit()
+    model.blocks[0].attn = timm.layers.Attention(32, num_heads=2, attn_head_dim=8)
+    with pytest.raises(TypeError, match=r'block 0 attends in 2 heads x 8 channels, not the model width 32'):
+        swap_attention(model)
+    with pytest.raises(ValueError, match=r'drops tokens while training \(patch_drop_rate > 0\)'):
+        swap_attention(small_timm_vit(patch_drop_rate=0.5))
     model = small_timm_vit()
     with pytest.raises(TypeError, match="Φp 'irpe' got unknown option\\(s\\) \\['methd'\\]"):
         swap_attention(model, phi='irpe', methd='euc')
     assert type(model.blocks[0].attn).__module__.startswith('timm') and not model.patch_embed.proj._forward_hooks
     swapped = swap_attention(model, phi='none')
-    with pytest.raises(TypeError, match='block 0 of the timm model holds posattn.models.swap.TimmAttention'):
+    with pytest.raises(ValueError, match='is already swapped'):
         swap_attention(swapped)
     with pytest.raises(RuntimeError, match='run the whole model, not the blocks alone'):
         swapped.blocks(torch.randn(1, 17, 32))

@@ -1,7 +1,7 @@
 """posattn in OpenMMLab (mmengine / mmpretrain / mmdet / mmseg): import this module once.
 
 ``custom_imports = dict(imports=['posattn_openmmlab'], allow_failed_imports=False)`` in a
-config (or importing it in a script) does six things:
+config (or importing it in a script) does seven things:
 
 * registers the backbones ``PosattnPerViT`` and ``PosattnViT`` in mmengine's root ``MODELS``
   (:mod:`.backbones`), visible from every toolbox's registry;
@@ -12,6 +12,8 @@ config (or importing it in a script) does six things:
   resume, ``load_from`` and testing work on torch >= 2.6 (:mod:`.checkpoint`);
 * makes mmengine write local files atomically, so a killed run never leaves a truncated
   checkpoint under its final name (:mod:`.atomic`);
+* adds the OpenMMLab attention families to :func:`posattn.swap_attention` (every ``swap_*``
+  module here) and registers the config wrapper that swaps a backbone's attention;
 * registers ``PosattnRunner`` in mmengine's root ``RUNNERS`` (:mod:`.runner`: strict loading,
   resume from the newest complete checkpoint, one training per work_dir, exact resume through
   ``RandomStateHook``, :mod:`.random_state`) and ``SafeCheckpointHook`` in its root ``HOOKS``
@@ -23,6 +25,9 @@ use them, so that classification needs neither mmdet nor mmseg: :mod:`.detection
 ``CheckedCocoDataset`` in mmdet's ``DATASETS``, :mod:`.segmentation` registers
 ``ShapesSegDataset`` and ``CheckedADE20KDataset`` in mmseg's.
 """
+import importlib
+import pkgutil
+
 from .atomic import register_atomic_backend
 from .backbones import PosattnPerViT, PosattnViT
 from .checkpoint import register_checkpoint_loader
@@ -34,6 +39,10 @@ from .runner import PosattnRunner
 
 register_checkpoint_loader()
 register_atomic_backend()
+
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name.startswith('swap_'):
+        importlib.import_module(f'{__name__}.{_module.name}')
 
 __all__ = ['PosattnPerViT', 'PosattnViT', 'PosattnSimpleFPN', 'PositionalShapes', 'CheckedImageNet',
            'PosattnRunner', 'SafeCheckpointHook', 'RandomStateHook', 'register_checkpoint_loader',

@@ -38,12 +38,13 @@ class AttentionMaps:
 
 
 def attention_maps(q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor], grid: TokenGrid,
-                   key_mask: Optional[torch.Tensor] = None) -> AttentionMaps:
+                   key_mask: Optional[torch.Tensor] = None, own_bias: Optional[torch.Tensor] = None) -> AttentionMaps:
     """Φc, Φa and Φp (module docstring) from a layer's q, k (B, heads, N, d), logits bias and key mask.
 
     The softmax runs over all N keys, extra tokens included, as in the layer, leaving out the keys
     ``key_mask`` (B, N) marks False (padding of windowed attention); the maps are then cut to the
-    grid's queries and keys.
+    grid's queries and keys. ``own_bias``, the swapped model's own positional bias, is part of Φa
+    (the layer's softmax uses it) and of neither Φc nor Φp.
     """
     q, k = q.float(), k.float()
     logits = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
@@ -51,10 +52,12 @@ def attention_maps(q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor
         logits = logits + _key_mask_terms(key_mask, q)[0]
     inner = slice(grid.num_prefix_tokens, None)
     content = logits.softmax(-1)[..., inner, inner]
+    used = logits if own_bias is None else logits + own_bias.float()
     if bias is None:
-        return AttentionMaps(grid, content, content, None)
+        return AttentionMaps(grid, content, used.softmax(-1)[..., inner, inner] if own_bias is not None else content,
+                             None)
     bias = bias.float()
-    mixed = (logits + bias).softmax(-1)[..., inner, inner]
+    mixed = (used + bias).softmax(-1)[..., inner, inner]
     return AttentionMaps(grid, content, mixed, bias[..., inner, inner].exp())
 
 

@@ -1,0 +1,21 @@
+"""Swap posattn's attention, with any Φp, into Vision Transformers people already have, keeping
+their weights.
+
+    model = timm.create_model('deit_small_patch16_224', pretrained=True)
+    swap_attention(model, phi='peripheral')          # then fine-tune
+
+One family a module (``timm_vit``, ``torchvision_vit``, ...), each a small
+:class:`~posattn.swap.core.SwappedAttention` subclass called as the module it replaces, and a
+function registered with :func:`register_family` that finds those modules in a model. The
+OpenMMLab families register from ``posattn_openmmlab``.
+"""
+import importlib
+import pkgutil
+
+from .core import AttentionSite, SwapPlan, SwappedAttention, register_family, swap_attention
+
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name != 'core':
+        importlib.import_module(f'{__name__}.{_module.name}')
+
+__all__ = ['swap_attention', 'register_family', 'SwapPlan', 'AttentionSite', 'SwappedAttention']

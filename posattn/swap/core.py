@@ -1,0 +1,229 @@
+"""The machinery every attention family shares: finding a model's attention modules, the token
+grid they see, and handing their weights to a :class:`posattn.Attention`.
+
+A family is one function, registered with :func:`register_family`, that looks at one module and
+returns a :class:`SwapPlan` when the module is a model of its family (None otherwise, or an error
+that says why such a model cannot be swapped). The plan lists the attention modules to replace
+(:class:`AttentionSite`) and how to build each replacement: a subclass of
+:class:`SwappedAttention` that is called as the original was and takes over its weights.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..attention import Attention
+from ..grid import TokenGrid
+from ..phi import PositionalModule, build_layer_phi
+
+__all__ = ['AttentionSite', 'SwapPlan', 'SwappedAttention', 'GridProbe', 'register_family', 'swap_attention',
+           'described', 'imported']
+
+
+def described(obj: Any) -> str:
+    """``module.QualName`` of an object's class, for messages."""
+    return f'{type(obj).__module__}.{type(obj).__qualname__}'
+
+
+def imported(module: str, name: str) -> Optional[Any]:
+    """``module.name`` if that module is already imported, else None: a model can only be an
+    instance of a class whose module is loaded, so families never import their libraries."""
+    loaded = sys.modules.get(module)
+    return getattr(loaded, name, None) if loaded is not None else None
+
+
+class GridProbe:
+    """The (H, W) of the latest patch embedding, recorded by a forward hook on its (B, C, H, W) output."""
+
+    def __init__(self) -> None:
+        self.hw: Optional[Tuple[int, int]] = None
+
+    def __call__(self, module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        if not (isinstance(output, torch.Tensor) and output.dim() == 4):
+            raise RuntimeError(f'the patch projection {type(module).__name__} should give (B, C, H, W), '
+                               f'got {getattr(output, "shape", type(output))}')
+        self.hw = (int(output.shape[-2]), int(output.shape[-1]))
+
+    def grid(self, num_prefix_tokens: int) -> TokenGrid:
+        if self.hw is None:
+            raise RuntimeError('a swapped attention takes its grid from the patch embedding of its '
+                               'model: run the whole model, not the blocks alone')
+        return TokenGrid(*self.hw, num_prefix_tokens)
+
+
+@dataclass
+class AttentionSite:
+    """One attention module to replace: ``getattr(parent, name)``, what it attends over and how wide."""
+    parent: nn.Module
+    name: str
+    dim: int
+    num_heads: int
+    num_prefix_tokens: int = 0
+
+    @property
+    def module(self) -> nn.Module:
+        return getattr(self.parent, self.name)
+
+
+@dataclass
+class SwapPlan:
+    """What a family found in a model.
+
+    Attributes:
+        family: the family's name, for messages.
+        sites: the attention modules, in depth order (Φp layer schedules follow it).
+        adapter: the :class:`SwappedAttention` subclass that replaces each of them.
+        patch_projection: the module whose (B, C, H, W) output is the token grid every site sees,
+            hooked to record it; None when each replacement knows its grid (window attention).
+        position_embeddings: the model's absolute position embeddings, zeroed and frozen when the
+            model's own positions are dropped.
+    """
+    family: str
+    sites: List[AttentionSite]
+    adapter: type
+    patch_projection: Optional[nn.Module] = None
+    position_embeddings: Sequence[nn.Parameter] = field(default_factory=list)
+
+
+class SwappedAttention(Attention):
+    """:class:`posattn.Attention` inside another model, called as the module it replaced was.
+
+    A subclass implements ``forward`` with the replaced module's signature and :meth:`take_over`,
+    which moves the replaced module's submodules and parameters in (the same objects: an optimiser
+    built before the swap still updates them). ``own_positions`` says whether the model's own
+    positional terms (RoPE, relative position tables, absolute embeddings) are kept beside the Φp.
+    """
+    grid_probe: Optional[GridProbe] = None
+    own_positions: bool = True
+
+    @classmethod
+    def replacing(cls, old: nn.Module, phi: PositionalModule, site: AttentionSite) -> 'SwappedAttention':
+        with torch.device('meta'):  # the layer's own projections are replaced by the old module's
+            layer = cls(site.dim, site.num_heads, phi=phi, num_prefix_tokens=site.num_prefix_tokens)
+        layer.take_over(old)
+        left = [name for name, tensor in layer.named_parameters() if tensor.is_meta]
+        if left:
+            raise RuntimeError(f'{cls.__name__} did not take over {", ".join(left)} from {described(old)}')
+        return layer.train(old.training)
+
+    def take_over(self, old: nn.Module) -> None:
+        raise NotImplementedError
+
+    def take(self, old: nn.Module, *names: str) -> None:
+        """The same-named submodules and parameters of ``old`` become this layer's."""
+        for name in names:
+            setattr(self, name, getattr(old, name))
+
+    def current_grid(self) -> TokenGrid:
+        """The grid of this call's tokens, from the model's patch embedding."""
+        return self.grid_probe.grid(self.num_prefix_tokens)
+
+
+Family = Callable[[nn.Module], Optional[SwapPlan]]
+_FAMILIES: List[Family] = []
+
+# Models whose attention is not self-attention over one token grid: why each cannot be swapped.
+_REFUSED: Dict[str, str] = {
+    'timm.models.cait.Cait': "CaiT's class-attention layers attend from the class token alone, and its "
+                             'talking-heads attention mixes heads around the softmax',
+    'timm.models.xcit.Xcit': "XCiT's cross-covariance attention attends between channels, not between tokens",
+    'timm.models.levit.Levit': "LeViT's attention subsamples its queries between stages and carries its own "
+                               'learned biases on a shrinking grid; its blocks see no patch-grid sequence',
+    'timm.models.pit.PoolingVisionTransformer': "PiT's blocks take tokens whose grid is pooled by strided "
+                                                'convolutions between stages, with the class tokens carried aside',
+    'timm.models.twins.Twins': "Twins alternates locally grouped attention with global attention whose keys "
+                               'come from a strided convolution: the keys are not the query grid',
+}
+_OPENMMLAB = ('mmpretrain.', 'mmseg.', 'mmdet.', 'mmcv.')
+
+
+def register_family(find: Family) -> Family:
+    """Add an attention family: ``find(module)`` returns a :class:`SwapPlan` for a model of the
+    family, None for any other module, and raises an error naming the reason for a model of the
+    family that cannot be swapped."""
+    if find not in _FAMILIES:
+        _FAMILIES.append(find)
+    return find
+
+
+def _plans(model: nn.Module) -> List[SwapPlan]:
+    """The plans of the outermost modules of ``model`` that a family recognises."""
+    found = [plan for plan in (find(model) for find in _FAMILIES) if plan is not None]
+    if found:
+        return found[:1]
+    return [plan for child in model.children() for plan in _plans(child)]
+
+
+def _refusal(model: nn.Module) -> str:
+    classes = {f'{type(m).__module__}.{type(m).__qualname__}' for m in model.modules()}
+    for name, reason in _REFUSED.items():
+        if name in classes:
+            return f'cannot swap {name}: {reason}'
+    if any(name.startswith(_OPENMMLAB) for name in classes):
+        return (f'no supported OpenMMLab model in {described(model)}: import posattn_openmmlab, which adds '
+                "mmpretrain's and mmseg's VisionTransformer and mmdet's SwinTransformer")
+    return (f'no supported attention in {described(model)}; swap_attention knows timm\'s VisionTransformer, '
+            "Eva, Beit, VisionTransformerRelPos and SwinTransformer, torchvision's VisionTransformer and "
+            'SwinTransformer, and (with posattn_openmmlab imported) the OpenMMLab ViTs and Swin')
+
+
+def swap_attention(model: nn.Module, phi: str = 'peripheral', *, own_positions: bool = True,
+                   **phi_cfg: Any) -> nn.Module:
+    """Replace every attention module of ``model`` by :class:`posattn.Attention` with Φp ``phi``.
+
+    The model is searched from the top: each outermost submodule that a family recognises (a timm
+    model inside ``features_only`` wrappers or an OpenMMLab backbone inside a classifier,
+    detector or segmentor) is swapped. Each replacement holds the very same q/k/v and projection
+    parameters and a fresh Φp per layer; the token grid comes from the model's patch embedding
+    at run time (any input size the model accepts), or, for window attention, from the window.
+
+    Args:
+        model: changed in place.
+        phi: the Φp of every layer, by registered name; 'none' changes no output.
+        own_positions: keep the model's own positional terms (absolute embeddings, RoPE, relative
+            position tables and biases) beside the Φp. With False they are dropped: absolute
+            embeddings are zeroed and frozen, RoPE and relative biases no longer applied, for a
+            comparison of positional schemes on equal terms. Swin's shift mask is not positional
+            and is always kept.
+        **phi_cfg: the Φp's options; what each layer knows (``dim``, ``num_heads``, ``head_dim``,
+            ``num_prefix_tokens``, ``layer_index``, ``num_layers``) is filled in where the Φp
+            takes it (:func:`posattn.phi.build_layer_phi`).
+
+    Returns:
+        ``model``.
+    """
+    if any(isinstance(m, SwappedAttention) for m in model.modules()):
+        raise ValueError(f'the attention of {described(model)} is already swapped; build the original '
+                         'model again to swap in another Φp')
+    plans = _plans(model)
+    if not plans:
+        raise TypeError(_refusal(model))
+    replacements = []  # all built before the model changes, so a bad option leaves it as it was
+    for plan in plans:
+        probe = GridProbe() if plan.patch_projection is not None else None
+        for index, site in enumerate(plan.sites):
+            old = site.module
+            reference = next(old.parameters())
+            built = build_layer_phi(phi, phi_cfg, dim=site.dim, num_heads=site.num_heads,
+                                    num_prefix_tokens=site.num_prefix_tokens, layer_index=index,
+                                    num_layers=len(plan.sites))
+            layer = plan.adapter.replacing(old, built.to(reference.device, reference.dtype), site)
+            layer.grid_probe, layer.own_positions = probe, own_positions
+            replacements.append((site, layer))
+        if probe is not None:
+            replacements.append((plan.patch_projection, probe))
+    for target, replacement in replacements:
+        if isinstance(target, AttentionSite):
+            setattr(target.parent, target.name, replacement)
+        else:
+            target.register_forward_hook(replacement)
+    if not own_positions:
+        with torch.no_grad():
+            for embedding in (e for plan in plans for e in plan.position_embeddings if e is not None):
+                embedding.zero_()
+                embedding.requires_grad_(False)
+    return model

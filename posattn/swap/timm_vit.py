@@ -1,0 +1,51 @@
+"""timm's ``VisionTransformer`` (ViT, DeiT, DeiT III, CLIP, DINOv2, FlexiViT, SigLIP, ...): every
+``Block.attn`` a ``timm.layers.Attention``, with or without q/k norms, scale norm or gate, behind
+any number of prefix tokens (class, distillation, registers). State-dict names stay timm's."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .core import AttentionSite, SwapPlan, SwappedAttention, described, imported, register_family
+
+
+class TimmAttention(SwappedAttention):
+    """Called as timm's ``Block`` calls ``timm.layers.Attention``: ``attn(x, attn_mask=None, is_causal=False)``."""
+
+    def take_over(self, old: nn.Module) -> None:
+        self.take(old, 'qkv', 'q_norm', 'k_norm', 'norm', 'gate', 'proj', 'attn_drop', 'proj_drop')
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                is_causal: bool = False) -> torch.Tensor:
+        if attn_mask is not None or is_causal:
+            raise ValueError('a swapped attention takes no attention mask: the Φp is its positional bias')
+        grid = self.grid_of(x, self.current_grid())
+        gate = self.gate(x).sigmoid() if self.gate is not None else None
+        q, k, v = self.split_heads(self.qkv(self.phi.tokens(x, grid)))
+        out = self.norm(self.attend(q, k, v, grid))
+        return self.proj_drop(self.proj(out if gate is None else out * gate))
+
+
+@register_family
+def timm_vision_transformer(model: nn.Module) -> Optional[SwapPlan]:
+    VisionTransformer = imported('timm.models.vision_transformer', 'VisionTransformer')
+    if VisionTransformer is None or not isinstance(model, VisionTransformer):
+        return None
+    Attention = imported('timm.layers', 'Attention')
+    if not isinstance(model.patch_drop, nn.Identity):
+        raise ValueError('this timm VisionTransformer drops tokens while training (patch_drop_rate > 0), '
+                         'which breaks the token grid a Φp is evaluated on: build it with patch_drop_rate=0')
+    sites = []
+    for i, block in enumerate(model.blocks):
+        attn = getattr(block, 'attn', None)
+        if not isinstance(attn, Attention):
+            raise TypeError(f'block {i} ({described(block)}) holds {described(attn)}, not timm.layers.Attention: '
+                            'swap_attention replaces the attention of timm\'s standard Block only')
+        if attn.attn_dim != attn.qkv.in_features:
+            raise TypeError(f'block {i} attends in {attn.num_heads} heads x {attn.head_dim} channels, not the '
+                            f'model width {attn.qkv.in_features} (attn_head_dim): posattn.Attention splits '
+                            'the width into its heads')
+        sites.append(AttentionSite(block, 'attn', attn.qkv.in_features, attn.num_heads, model.num_prefix_tokens))
+    return SwapPlan('timm VisionTransformer', sites, TimmAttention, model.patch_embed.proj, [model.pos_embed])
