@@ -159,7 +159,7 @@ def _plans(model: nn.Module) -> List[SwapPlan]:
 
 
 def _refusal(model: nn.Module) -> str:
-    classes = {f'{type(m).__module__}.{type(m).__qualname__}' for m in model.modules()}
+    classes = {f'{cls.__module__}.{cls.__qualname__}' for m in model.modules() for cls in type(m).__mro__}
     for name, reason in _REFUSED.items():
         if name in classes:
             return f'cannot swap {name}: {reason}'
