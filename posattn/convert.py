@@ -11,6 +11,27 @@ with the backbone under ``backbone.model.`` and mmpretrain's linear head under `
 such a file needs the types mmengine pickles beside the weights, which
 ``posattn_openmmlab`` allows (:func:`allow_checkpoint_globals`) when it is imported.
 
+timm's ViT / DeiT state_dicts are in posattn's layout already (:mod:`posattn.models.vit` uses
+timm's names). mmpretrain's ``VisionTransformer`` classifiers (the ``deit-*`` archs with
+``VisionTransformerClsHead``, as mmengine saves them: ``{'state_dict': ..., 'meta': ...}``) are
+renamed one to one, nothing reshaped (mmpretrain splits qkv as (three, heads, head_dim) like timm):
+
+    backbone.patch_embed.projection.*        -> patch_embed.proj.*
+    backbone.{cls_token,pos_embed}           -> {cls_token,pos_embed}
+    backbone.layers.{i}.ln1.* / .ln2.*       -> blocks.{i}.norm1.* / .norm2.*
+    backbone.layers.{i}.attn.{qkv,proj}.*    -> blocks.{i}.attn.{qkv,proj}.*
+    backbone.layers.{i}.ffn.layers.0.0.*     -> blocks.{i}.mlp.fc1.*
+    backbone.layers.{i}.ffn.layers.1.*       -> blocks.{i}.mlp.fc2.*
+    backbone.ln1.*                           -> norm.*   (the final norm, ``final_norm=True``)
+    head.layers.head.*                       -> head.*
+    backbone.dist_token, head.layers.head_dist.* -> dist_token, head_dist.*   (timm's names)
+
+These are mmpretrain's defaults for DeiT (``final_norm=True``, ``out_type='cls_token'``,
+``pre_norm=False``, no layer scale). Keys of other options (``backbone.pre_norm.*``,
+``backbone.ln2.*`` of ``out_type='avg_featmap'``, layer scale's ``gamma1`` / ``gamma2``, a head's
+``pre_logits``) are kept as they are, so that loading reports them; so does a distilled DeiT's
+token and head, renamed to timm's names, which posattn's ViT does not have.
+
 PerViT release (github.com/juhongm999/pervit), 294 entries per model, renamed one to one:
 
     conv_layers.conv_layers.{i}.0.*          -> stem.layers.{i}.conv.*
@@ -42,7 +63,8 @@ from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
 import torch
 
 __all__ = ['read_checkpoint', 'allow_checkpoint_globals', 'pervit_from_release', 'is_pervit_release',
-           'is_mmengine_checkpoint', 'mmengine_to_posattn', 'to_posattn_layout', 'unwrap_state_dict']
+           'is_mmengine_checkpoint', 'mmengine_to_posattn', 'is_mmpretrain_vit', 'mmpretrain_vit_to_posattn',
+           'to_posattn_layout', 'unwrap_state_dict']
 
 # DeiT-style training checkpoints (the PerViT release's among them) keep their argparse arguments
 # beside the weights: a plain attribute bag, safe to allow.
@@ -101,13 +123,29 @@ _PERVIT_RELEASE_RENAMES = [
 
 
 def unwrap_state_dict(checkpoint: Mapping[str, Any]) -> StateDict:
-    """The state_dict of a checkpoint: the mapping itself, or its ``'model'`` entry (the release's
-    and DeiT's training checkpoints, which also hold the optimiser and arguments)."""
+    """The state_dict of a checkpoint: the mapping itself, its ``'model'`` entry (the release's,
+    DeiT's and timm's training checkpoints, which also hold the optimiser and arguments) or its
+    ``'state_dict'`` entry (mmengine's)."""
     if not isinstance(checkpoint, Mapping):
-        raise TypeError(f'a checkpoint is a state_dict or a dict with a "model" state_dict, '
-                        f'got {type(checkpoint).__name__}')
-    model = checkpoint.get('model')
-    return dict(model if isinstance(model, Mapping) else checkpoint)
+        raise TypeError(f'a checkpoint is a state_dict or a dict with a "model" state_dict (or a "state_dict" '
+                        f'one, as mmengine saves), got {type(checkpoint).__name__}')
+    for entry in ('model', 'state_dict'):
+        if isinstance(checkpoint.get(entry), Mapping):
+            return dict(checkpoint[entry])
+    return dict(checkpoint)
+
+
+def _renamed(state_dict: Mapping[str, Any], renames: Sequence[Tuple[str, str]]) -> StateDict:
+    """``state_dict`` with each key renamed by the first (pattern, replacement) that matches it;
+    keys no pattern matches are kept as they are."""
+    converted = {}
+    for key, value in state_dict.items():
+        for pattern, replacement in renames:
+            key, found = re.subn(pattern, replacement, key)
+            if found:
+                break
+        converted[key] = value
+    return converted
 
 
 def is_pervit_release(state_dict: Mapping[str, Any]) -> bool:
@@ -123,14 +161,7 @@ def pervit_from_release(checkpoint: Mapping[str, Any]) -> StateDict:
     if not is_pervit_release(state_dict):
         raise ValueError("not a PerViT release checkpoint: it has no 'rpe_proj.weight' "
                          '(the distance embedding every release model has)')
-    converted = {}
-    for key, value in state_dict.items():
-        for pattern, replacement in _PERVIT_RELEASE_RENAMES:
-            key, found = re.subn(pattern, replacement, key)
-            if found:
-                break
-        converted[key] = value
-    return converted
+    return _renamed(state_dict, _PERVIT_RELEASE_RENAMES)
 
 
 _MMENGINE_BACKBONE = 'backbone.model.'
@@ -161,12 +192,44 @@ def mmengine_to_posattn(checkpoint: Mapping[str, Any], model_only: bool = False)
     return converted
 
 
+_MMPRETRAIN_VIT_RENAMES = [
+    (r'^backbone\.patch_embed\.projection\.', 'patch_embed.proj.'),
+    (r'^backbone\.(cls_token|pos_embed|dist_token)$', r'\1'),
+    (r'^backbone\.layers\.(\d+)\.ln([12])\.', r'blocks.\1.norm\2.'),
+    (r'^backbone\.layers\.(\d+)\.attn\.(qkv|proj)\.', r'blocks.\1.attn.\2.'),
+    (r'^backbone\.layers\.(\d+)\.ffn\.layers\.0\.0\.', r'blocks.\1.mlp.fc1.'),
+    (r'^backbone\.layers\.(\d+)\.ffn\.layers\.1\.', r'blocks.\1.mlp.fc2.'),
+    (r'^backbone\.ln1\.', 'norm.'),
+    (r'^head\.layers\.head\.', 'head.'),
+    (r'^head\.layers\.head_dist\.', 'head_dist.'),
+]
+
+
+def is_mmpretrain_vit(state_dict: Mapping[str, Any]) -> bool:
+    """Whether ``state_dict`` is laid out as an mmpretrain ``VisionTransformer`` classifier's (its
+    patch embedding's ``projection`` and its blocks' ``ln1`` under ``backbone.``)."""
+    return 'backbone.patch_embed.projection.weight' in state_dict and 'backbone.layers.0.ln1.weight' in state_dict
+
+
+def mmpretrain_vit_to_posattn(checkpoint: Mapping[str, Any]) -> StateDict:
+    """An mmpretrain ViT / DeiT classifier checkpoint (the state_dict, or ``{'state_dict': ...}`` as
+    mmengine saves it) in posattn's (and timm's) layout, by the module docstring's table. Keys the
+    table does not name are kept as they are, so that loading reports them."""
+    state_dict = unwrap_state_dict(checkpoint)
+    if not is_mmpretrain_vit(state_dict):
+        raise ValueError("not an mmpretrain VisionTransformer checkpoint: it has no "
+                         "'backbone.patch_embed.projection.weight' and 'backbone.layers.0.ln1.weight'")
+    return _renamed(state_dict, _MMPRETRAIN_VIT_RENAMES)
+
+
 def to_posattn_layout(checkpoint: Mapping[str, Any]) -> Tuple[StateDict, str]:
-    """(state_dict in posattn's layout, the layout it was found in: 'PerViT release', 'mmengine'
-    or 'posattn')."""
+    """(state_dict in posattn's layout, the layout it was found in: 'PerViT release', 'mmengine',
+    'mmpretrain ViT' or 'posattn', which is timm's for ViT / DeiT)."""
     if is_mmengine_checkpoint(checkpoint):
         return mmengine_to_posattn(checkpoint), 'mmengine'
     state_dict = unwrap_state_dict(checkpoint)
     if is_pervit_release(state_dict):
         return pervit_from_release(state_dict), 'PerViT release'
+    if is_mmpretrain_vit(state_dict):
+        return mmpretrain_vit_to_posattn(state_dict), 'mmpretrain ViT'
     return state_dict, 'posattn'

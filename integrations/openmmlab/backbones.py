@@ -8,11 +8,14 @@ names clear of the toolboxes' own ``VisionTransformer`` and friends.
 Both follow mmpretrain's backbone conventions (``arch`` table or dict, ``out_indices``,
 ``frozen_stages``, ``init_cfg``) and return a tuple with one output per index in
 ``out_indices``. The wrapped posattn model sits under ``.model`` with posattn's parameter names;
-``init_cfg=dict(type='Pretrained', checkpoint=...)`` reads posattn checkpoints and the layouts
-:func:`posattn.convert.to_posattn_layout` converts (the PerViT release's, and classifiers these
-backbones trained under mmengine), weights-only, and loads everything but the classifier
-strictly, with a warning that names the classifier's weights it leaves out; ``strict=False`` in
-the ``init_cfg`` loads what fits and logs the keys it skipped.
+``init_cfg=dict(type='Pretrained', checkpoint=...)`` reads posattn checkpoints (timm's ViT / DeiT
+are in that layout) and the layouts :func:`posattn.convert.to_posattn_layout` converts (the PerViT
+release's, mmpretrain's ViT / DeiT, and classifiers these backbones trained under mmengine),
+weights-only, and loads everything but the classifier strictly
+(:func:`posattn.models.registry.load_pretrained`), with a warning that names the classifier's
+weights it leaves out. Weights without the backbone's Φp (a plain ViT / DeiT's) leave the Φp at
+its own initialisation, with a warning that names those keys; ``strict=False`` in the
+``init_cfg`` loads what fits and logs the keys it skipped.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from torch import nn
 from posattn.convert import to_posattn_layout
 from posattn.grid import TokenGrid
 from posattn.models.pervit import PERVIT_ARCHS, PerViT
-from posattn.models.registry import load_weights
+from posattn.models.registry import load_pretrained
 from posattn.models.vit import VIT_ARCHS, VisionTransformer
 
 __all__ = ['PosattnPerViT', 'PosattnViT']
@@ -83,11 +86,13 @@ def _backbone_remedy(model_name: str) -> str:
 class _PretrainedMixin:
     """``init_cfg=dict(type='Pretrained', checkpoint=..., strict=True)`` through posattn's conversion.
 
-    The backbone's weights load through :func:`posattn.models.registry.load_weights`, the
+    The backbone's weights load through :func:`posattn.models.registry.load_pretrained`, the
     classifier (``head.``) left out: strictly by default, so a checkpoint that does not fit raises
     an error naming the registered model it fits and listing the differing keys; ``strict=False``
-    loads what fits and logs every key it skipped. Other ``init_cfg`` types go to mmengine's
-    :class:`BaseModule` as usual.
+    loads what fits and logs every key it skipped. A plain ViT / DeiT checkpoint leaves the Φp at
+    its own initialisation (and a ``pos_embed=False`` backbone drops its ``pos_embed``), logged
+    as one warning. The layout is recognised from the keys, so there is no ``prefix`` to set.
+    Other ``init_cfg`` types go to mmengine's :class:`BaseModule` as usual.
     """
 
     model: nn.Module
@@ -99,8 +104,10 @@ class _PretrainedMixin:
             return
         extra = set(cfg) - {'type', 'checkpoint', 'map_location', 'strict'}
         if extra:
+            layout = ('; the layout is recognised from the keys (posattn, timm, mmpretrain, the PerViT release, '
+                      'mmengine), so no prefix is needed' if 'prefix' in extra else '')
             raise ValueError(f'{type(self).__name__} reads only checkpoint, map_location and strict from a '
-                             f'Pretrained init_cfg; got {sorted(extra)} too')
+                             f'Pretrained init_cfg; got {sorted(extra)} too{layout}')
         checkpoint = cfg['checkpoint']
         if '://' not in checkpoint and not os.path.isfile(os.path.expanduser(checkpoint)):
             raise FileNotFoundError(
@@ -114,13 +121,16 @@ class _PretrainedMixin:
         raw = CheckpointLoader.load_checkpoint(checkpoint, map_location=cfg.get('map_location', 'cpu'))
         state_dict, layout = to_posattn_layout(raw)
         source = f'checkpoint {checkpoint} ({layout} layout)'
-        skipped = load_weights(self.model, state_dict, source=source, target=type(self).__name__,
-                               strict=cfg.get('strict', True), ignore=('head.',), remedy=_backbone_remedy)
+        skipped, fresh = load_pretrained(self.model, state_dict, source=source, target=type(self).__name__,
+                                         strict=cfg.get('strict', True), ignore=('head.',), remedy=_backbone_remedy)
+        if fresh is not None:
+            print_log(fresh, logger='current', level=logging.WARNING)
         if skipped:
             print_log(f'{type(self).__name__}: partial load (strict=False) from {source}; {len(skipped)} keys '
                       f'skipped:\n  ' + '\n  '.join(skipped), logger='current', level=logging.WARNING)
         head_keys = sorted(k for k in state_dict if k.startswith('head.'))
-        loaded = 'the backbone weights that fit' if skipped else 'every backbone weight'
+        loaded = ('the backbone weights that fit' if skipped else 'every other backbone weight' if fresh
+                  else 'every backbone weight')
         print_log(f'{type(self).__name__}: loaded {loaded} from {checkpoint} ({layout} layout)'
                   + (f'; not loaded, the classifier: {", ".join(head_keys)}' if head_keys else ''),
                   logger='current', level=logging.WARNING if head_keys else logging.INFO)
@@ -224,8 +234,9 @@ class PosattnViT(_PretrainedMixin, BaseModule):
         frozen_stages: -1 trains everything; k >= 0 freezes the patch embedding, class token and
             position embedding and the first k blocks (and the PEGs after them).
         drop_path_rate: stochastic depth, rising linearly over the blocks to this rate.
-        init_cfg: mmengine init config; ``type='Pretrained'`` reads posattn (and timm ViT / DeiT)
-            checkpoints (the classifier is not loaded; ``strict=False`` for a partial load).
+        init_cfg: mmengine init config; ``type='Pretrained'`` reads posattn, timm and mmpretrain
+            ViT / DeiT checkpoints (the classifier is not loaded; ``strict=False`` for a partial
+            load); a plain ViT / DeiT's weights leave the Φp at its own initialisation, logged.
         **vit_kwargs: the rest of :class:`~posattn.models.vit.VisionTransformer`'s options:
             ``phi``, ``phi_cfg``, ``pos_embed``, ``peg_after``, ``class_token``, ``patch_size``, ...
 

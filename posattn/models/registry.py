@@ -3,15 +3,18 @@ from __future__ import annotations
 
 import functools
 import os
+import re
+import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 from torch import nn
 
 from ..convert import read_checkpoint, to_posattn_layout
+from ..phi import PositionalModule
 
 __all__ = ['register_model', 'create_model', 'create_from_arch', 'list_models', 'load_weights',
-           'fitting_model', 'state_dict_mismatch']
+           'load_pretrained', 'fitting_model', 'state_dict_mismatch']
 
 _MODELS: Dict[str, Callable[..., nn.Module]] = {}
 _LISTED = 8  # keys shown per kind of mismatch
@@ -54,13 +57,16 @@ def create_model(name: str, checkpoint: Optional[Union[str, os.PathLike]] = None
 
     Args:
         name: a registered model (``posattn.list_models()``).
-        checkpoint: path of weights to load, in posattn's layout or one that
-            :func:`posattn.convert.to_posattn_layout` recognises (the PerViT release's, and the
-            classifiers that ``tools/train.py`` writes through mmengine), as a state_dict or a
-            training checkpoint holding it. Read weights-only (:func:`posattn.convert.read_checkpoint`)
-            and loaded strictly; a checkpoint that does not fit raises a ValueError listing the
-            missing, unexpected and mis-shaped keys and naming the registered model it fits.
-        **kwargs: the builder's options (``num_classes``, ``drop_path_rate``, ...).
+        checkpoint: path of weights to load, in posattn's layout (timm's, for ViT / DeiT) or one
+            that :func:`posattn.convert.to_posattn_layout` recognises (the PerViT release's,
+            mmpretrain's ViT / DeiT, and the classifiers that ``tools/train.py`` writes through
+            mmengine), as a state_dict or a training checkpoint holding it. Read weights-only
+            (:func:`posattn.convert.read_checkpoint`) and loaded strictly by :func:`load_pretrained`:
+            weights without the model's Φp (a plain ViT / DeiT's) leave the Φp at its own
+            initialisation, with a warning naming those keys; any other key that does not fit
+            raises a ValueError listing the missing, unexpected and mis-shaped keys and naming the
+            registered model the weights fit.
+        **kwargs: the builder's options (``num_classes``, ``phi``, ``drop_path_rate``, ...).
     """
     try:
         builder = _MODELS[name]
@@ -70,8 +76,10 @@ def create_model(name: str, checkpoint: Optional[Union[str, os.PathLike]] = None
     model = builder(**kwargs)
     if state_dict is not None:
         state_dict, layout = to_posattn_layout(state_dict)
-        load_weights(model, state_dict, source=f'checkpoint {os.fspath(checkpoint)} ({layout} layout)',
-                     target=name)
+        _, report = load_pretrained(model, state_dict, source=f'checkpoint {os.fspath(checkpoint)} ({layout} layout)',
+                                    target=name)
+        if report is not None:
+            warnings.warn(report, stacklevel=2)
     return model
 
 
@@ -151,6 +159,9 @@ def load_weights(model: nn.Module, state_dict: Mapping[str, Any], *, source: str
             lines.append(f'  this is a {fitting} checkpoint: {remedy(fitting)}')
         elif not (missing or unexpected) and all(k.startswith('head.') for k in wrong) and 'head.weight' in state_dict:
             lines.append(f'  only the classifier differs: pass num_classes={state_dict["head.weight"].shape[0]}')
+        elif 'dist_token' in unexpected:
+            lines.append("  these are a distilled DeiT's weights (dist_token, head_dist): posattn's ViT has a class "
+                         'token only; start from the DeiT weights without distillation')
         for label, items in (('missing keys', missing), ('unexpected keys', unexpected), ('wrong shapes', wrong)):
             if items:
                 lines.append(_listed(label, items))
@@ -160,3 +171,83 @@ def load_weights(model: nn.Module, state_dict: Mapping[str, Any], *, source: str
     model.load_state_dict(loadable, strict=False)
     return ([f'missing: {k}' for k in missing] + [f'unexpected: {k}' for k in unexpected]
             + [f'wrong shape: {entry}' for entry in wrong])
+
+
+def _positional_prefixes(model: nn.Module) -> List[str]:
+    """``'name.'`` of each of ``model``'s outermost positional modules that holds parameters or
+    buffers: each attention layer's Φp (``blocks.{i}.attn.phi.``), a ViT's PEGs (``pegs.{i}.``),
+    PerViT's CPEs (any :class:`posattn.PositionalModule`)."""
+    prefixes: List[str] = []
+    for name, module in model.named_modules():
+        inside = any(name.startswith(prefix) for prefix in prefixes)
+        if name and not inside and isinstance(module, PositionalModule) and module.state_dict():
+            prefixes.append(name + '.')
+    return prefixes
+
+
+def _index_range(indices: Sequence[int]) -> str:
+    """[3] -> '3'; [0, ..., 11] -> '{0..11}'; [0, 2, 5] -> '{0,2,5}'."""
+    if len(indices) == 1:
+        return str(indices[0])
+    if list(indices) == list(range(indices[0], indices[-1] + 1)):
+        return f'{{{indices[0]}..{indices[-1]}}}'
+    return '{' + ','.join(map(str, indices)) + '}'
+
+
+def _compact_keys(keys: Sequence[str], prefixes: Sequence[str]) -> str:
+    """``keys``, each under one of ``prefixes``, written once per kind of module: modules that
+    differ only in their first index and hold the same keys share one entry,
+    e.g. 'blocks.{0..11}.attn.phi.{proj1_weight, proj1_bias}, pegs.0.{proj.weight, proj.bias}'."""
+    groups: Dict[Tuple[str, str, Tuple[str, ...]], List[int]] = {}
+    for prefix in prefixes:
+        names = tuple(k[len(prefix):] for k in keys if k.startswith(prefix))
+        indexed = re.fullmatch(r'(.*?\.)?(\d+)(\..*)', prefix)
+        if indexed is None:
+            groups[(prefix, '', names)] = []
+            continue
+        head, index, tail = indexed.groups(default='')
+        groups.setdefault((head, tail, names), []).append(int(index))
+    return ', '.join(head + (_index_range(sorted(indices)) if indices else '') + tail
+                     + (names[0] if len(names) == 1 else '{' + ', '.join(names) + '}')
+                     for (head, tail, names), indices in groups.items())
+
+
+def load_pretrained(model: nn.Module, state_dict: Mapping[str, Any], *, source: str, target: str,
+                    strict: bool = True, ignore: Sequence[str] = (),
+                    remedy: Optional[Callable[[str], str]] = _create_model_remedy) -> Tuple[List[str], Optional[str]]:
+    """:func:`load_weights` for starting a model from weights of one without its position encoding:
+    a plain ViT / DeiT's (timm's or mmpretrain's, converted) into a ViT with any Φp.
+
+    Two differences are allowed, each reported:
+
+    - weights that hold no key of the model's positional modules (each attention layer's Φp,
+      under ``blocks.{i}.attn.phi.``, and a ViT's PEGs, under ``pegs.{i}.``: every
+      :class:`posattn.PositionalModule` with parameters or buffers) leave all of them at their
+      own initialisation. Weights that hold some (those of another Φp, or of some layers only)
+      are not a plain ViT's and load strictly, so that the other Φp's keys, or the ones left out,
+      are an error.
+    - a model built without a learned position embedding (``pos_embed`` is None, as in posattn's
+      ViT with ``pos_embed=False``, CPVT's setting) drops the weights' ``pos_embed``.
+
+    Everything else is :func:`load_weights` with the same arguments: with ``strict``, any other
+    missing, unexpected or mis-shaped key raises.
+
+    Returns:
+        (the keys not loaded, as :func:`load_weights` returns them; one line that names the keys
+        that started fresh and the dropped ``pos_embed``, or None when there are none).
+    """
+    prefixes = _positional_prefixes(model)
+    has_positional = any(key.startswith(tuple(prefixes)) for key in state_dict)
+    fresh_prefixes = [] if has_positional else prefixes
+    dropped = 'pos_embed' in state_dict and hasattr(model, 'pos_embed') and model.pos_embed is None
+    kept = {k: v for k, v in state_dict.items() if not (dropped and k == 'pos_embed')}
+    skipped = load_weights(model, kept, source=source, target=target, strict=strict,
+                           ignore=(*ignore, *fresh_prefixes), remedy=remedy)
+    fresh = [k for k in model.state_dict() if k.startswith(tuple(fresh_prefixes))]
+    parts = []
+    if fresh:
+        parts.append(f'{len(fresh)} Φp keys are not in it and start from their own initialisation: '
+                     f'{_compact_keys(fresh, fresh_prefixes)}')
+    if dropped:
+        parts.append('its pos_embed is not loaded: the model has no learned position embedding (pos_embed=False)')
+    return skipped, (f'{target} from {source}: ' + '; '.join(parts)) if parts else None

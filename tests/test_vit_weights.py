@@ -1,0 +1,229 @@
+"""Starting posattn's ViT with any Φp from timm's and mmpretrain's ViT / DeiT weights.
+
+The sources are built here with random weights (no downloads): timm's ``deit_tiny_patch16_224``,
+saved bare and as a DeiT training checkpoint (``{'model': ...}``), and mmpretrain's DeiT-Tiny
+classifier, saved as mmengine saves it (``{'state_dict': ..., 'meta': ...}``).
+"""
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import posattn
+from posattn.convert import to_posattn_layout
+
+from conftest import randomised
+
+timm = pytest.importorskip('timm')
+
+
+def mmpretrain_name(key):
+    """The name mmpretrain's DeiT classifier gives the tensor posattn's ViT calls ``key``."""
+    for posattn_name, mmpretrain in ((r'^patch_embed\.proj\.', 'backbone.patch_embed.projection.'),
+                                     (r'^(cls_token|pos_embed)$', r'backbone.\1'),
+                                     (r'^blocks\.(\d+)\.norm([12])\.', r'backbone.layers.\1.ln\2.'),
+                                     (r'^blocks\.(\d+)\.attn\.', r'backbone.layers.\1.attn.'),
+                                     (r'^blocks\.(\d+)\.mlp\.fc1\.', r'backbone.layers.\1.ffn.layers.0.0.'),
+                                     (r'^blocks\.(\d+)\.mlp\.fc2\.', r'backbone.layers.\1.ffn.layers.1.'),
+                                     (r'^norm\.', 'backbone.ln1.'), (r'^head\.', 'head.layers.head.')):
+        if re.match(posattn_name, key):
+            return re.sub(posattn_name, mmpretrain, key)
+    raise KeyError(key)
+
+
+@pytest.fixture(scope='module')
+def timm_deit():
+    return randomised(timm.create_model('deit_tiny_patch16_224', pretrained=False, dynamic_img_size=True), seed=1)
+
+
+def build_mmpretrain_deit(**backbone_options):
+    from mmpretrain.registry import MODELS
+    return MODELS.build(dict(type='ImageClassifier',
+                             backbone=dict(type='VisionTransformer', arch='deit-tiny', **backbone_options),
+                             head=dict(type='VisionTransformerClsHead', num_classes=1000, in_channels=192)))
+
+
+@pytest.fixture(scope='module')
+def mmpretrain_deit():
+    return randomised(build_mmpretrain_deit(), seed=2)
+
+
+@pytest.fixture(scope='module')
+def checkpoints(tmp_path_factory, timm_deit, mmpretrain_deit):
+    """name -> (path, {posattn key: source tensor})."""
+    folder = tmp_path_factory.mktemp('vit_weights')
+    timm_weights = timm_deit.state_dict()
+    mmpretrain_weights = mmpretrain_deit.state_dict()
+    saved = {'timm': timm_weights, 'deit_training': {'model': timm_weights, 'epoch': 299},
+             'mmpretrain': {'state_dict': mmpretrain_weights, 'meta': {}}}
+    expected = {'timm': timm_weights, 'deit_training': timm_weights,
+                'mmpretrain': {k: mmpretrain_weights[mmpretrain_name(k)]
+                               for k in posattn.create_model('vit_tiny').state_dict()}}
+    for name, content in saved.items():
+        torch.save(content, folder / f'{name}.pth')
+    return {name: (folder / f'{name}.pth', expected[name]) for name in saved}
+
+
+def create_reporting(*args, **kwargs):
+    """create_model(*args, **kwargs) and the messages of the warnings it raised."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        model = posattn.create_model(*args, **kwargs)
+    return model, [str(w.message) for w in caught]
+
+
+def test_layouts_are_recognised(checkpoints):
+    layouts = {name: to_posattn_layout(torch.load(path, weights_only=True)) for name, (path, _) in checkpoints.items()}
+    assert {name: layout for name, (_, layout) in layouts.items()} == {
+        'timm': 'posattn', 'deit_training': 'posattn', 'mmpretrain': 'mmpretrain ViT'}
+    keys = list(posattn.create_model('vit_tiny').state_dict())
+    for state_dict, _ in layouts.values():
+        assert sorted(state_dict) == sorted(keys)
+
+
+@pytest.mark.parametrize('source', ['timm', 'deit_training', 'mmpretrain'])
+def test_phi_none_gives_the_source_logits(checkpoints, timm_deit, mmpretrain_deit, source):
+    model, reports = create_reporting('vit_tiny', checkpoint=checkpoints[source][0])
+    assert reports == []
+    images = torch.randn(2, 3, 224, 224) if source == 'mmpretrain' else torch.randn(2, 3, 48, 64)
+    with torch.no_grad():
+        expected = mmpretrain_deit(images, mode='tensor') if source == 'mmpretrain' else timm_deit(images)
+        torch.testing.assert_close(model.eval()(images), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize('phi', posattn.list_phis())
+@pytest.mark.parametrize('source', ['timm', 'mmpretrain'])
+def test_every_phi_starts_fresh_and_everything_else_loads(checkpoints, phi, source):
+    path, source_weights = checkpoints[source]
+    torch.manual_seed(3)
+    own_init = posattn.create_model('vit_tiny', phi=phi).state_dict()
+    torch.manual_seed(3)
+    model, reports = create_reporting('vit_tiny', phi=phi, checkpoint=path)
+    phi_keys = [k for k in own_init if '.attn.phi.' in k]
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, own_init[key] if key in phi_keys else source_weights[key]), key
+    assert len(reports) == (1 if phi_keys else 0)
+    if not phi_keys:
+        return
+    suffixes = sorted({k.split('.attn.phi.')[1] for k in phi_keys})
+    layout = 'mmpretrain ViT' if source == 'mmpretrain' else 'posattn'
+    assert reports[0].startswith(f'vit_tiny from checkpoint {path} ({layout} layout): {len(phi_keys)} Φp keys are '
+                                 f'not in it and start from their own initialisation: blocks.{{0..11}}.attn.phi.')
+    assert '\n' not in reports[0] and all(suffix in reports[0] for suffix in suffixes)
+
+
+def test_cpvt_from_deit_drops_the_pos_embed_with_the_report(checkpoints):
+    path, source_weights = checkpoints['timm']
+    torch.manual_seed(4)
+    own_init = posattn.create_model('vit_tiny', phi='peg', pos_embed=False, peg_after=(0, 2, 5)).state_dict()
+    torch.manual_seed(4)
+    model, reports = create_reporting('vit_tiny', phi='peg', pos_embed=False, peg_after=(0, 2, 5), checkpoint=path)
+    assert reports == [f'vit_tiny from checkpoint {path} (posattn layout): 30 Φp keys are not in it and start from '
+                       f'their own initialisation: blocks.{{0..11}}.attn.phi.{{proj.weight, proj.bias}}, '
+                       f'pegs.{{0,2,5}}.{{proj.weight, proj.bias}}; its pos_embed is not loaded: the model has no '
+                       f'learned position embedding (pos_embed=False)']
+    for key, value in model.state_dict().items():
+        fresh = '.attn.phi.' in key or key.startswith('pegs.')
+        assert torch.equal(value, own_init[key] if fresh else source_weights[key]), key
+    _, reports = create_reporting('vit_tiny', pos_embed=False, peg_after=(0,), checkpoint=path)
+    assert reports[0].endswith(': 2 Φp keys are not in it and start from their own initialisation: '
+                               'pegs.0.{proj.weight, proj.bias}; its pos_embed is not loaded: the model has no '
+                               'learned position embedding (pos_embed=False)')
+
+
+def saved(tmp_path, state_dict):
+    path = tmp_path / 'weights.pth'
+    torch.save(state_dict, path)
+    return path
+
+
+def test_a_missing_unexpected_or_mis_shaped_non_phi_key_is_an_error(tmp_path, timm_deit):
+    weights = timm_deit.state_dict()
+    missing = {k: v for k, v in weights.items() if k != 'blocks.3.mlp.fc1.weight'}
+    with pytest.raises(ValueError, match=r'does not fit vit_tiny:\n  missing keys \(1\): blocks.3.mlp.fc1.weight$'):
+        posattn.create_model('vit_tiny', phi='peripheral', checkpoint=saved(tmp_path, missing))
+    mis_shaped = dict(weights, **{'norm.weight': torch.ones(191)})
+    with pytest.raises(ValueError, match=r'wrong shapes \(1\): norm.weight: checkpoint \(191,\), model \(192,\)$'):
+        posattn.create_model('vit_tiny', phi='irpe', checkpoint=saved(tmp_path, mis_shaped))
+    unexpected = dict(weights, **{'blocks.0.attn.scale': torch.ones(1)})
+    with pytest.raises(ValueError, match=r'unexpected keys \(1\): blocks.0.attn.scale$'):
+        posattn.create_model('vit_tiny', phi='peg', checkpoint=saved(tmp_path, unexpected))
+    no_pos_embed = {k: v for k, v in weights.items() if k != 'pos_embed'}
+    with pytest.raises(ValueError, match=r'missing keys \(1\): pos_embed$'):
+        posattn.create_model('vit_tiny', phi='peripheral', checkpoint=saved(tmp_path, no_pos_embed))
+
+
+def test_weights_of_another_or_part_of_a_phi_are_not_a_plain_vit(tmp_path):
+    irpe = posattn.create_model('vit_tiny', phi='irpe').state_dict()
+    with pytest.raises(ValueError, match=r'missing keys \(120\): blocks.0.attn.phi.proj1_weight;.*\n'
+                                         r'  unexpected keys \(12\): blocks.0.attn.phi.rpe_k.lookup_table_weight'):
+        posattn.create_model('vit_tiny', phi='peripheral', checkpoint=saved(tmp_path, irpe))
+    peripheral = posattn.create_model('vit_tiny', phi='peripheral').state_dict()
+    part = {k: v for k, v in peripheral.items() if not k.startswith('blocks.5.attn.phi.')}
+    with pytest.raises(ValueError, match=r'missing keys \(10\): blocks.5.attn.phi.proj1_weight'):
+        posattn.create_model('vit_tiny', phi='peripheral', checkpoint=saved(tmp_path, part))
+
+
+def test_classifier_and_distilled_deit_errors_name_the_fix(tmp_path, checkpoints):
+    with pytest.raises(ValueError, match=r'only the classifier differs: pass num_classes=1000\n'
+                                         r'  wrong shapes \(2\): head.weight'):
+        posattn.create_model('vit_tiny', phi='peripheral', num_classes=10, checkpoint=checkpoints['mmpretrain'][0])
+    distilled = timm.create_model('deit_tiny_distilled_patch16_224', pretrained=False).state_dict()
+    with pytest.raises(ValueError, match=r"these are a distilled DeiT's weights \(dist_token, head_dist\): posattn's "
+                                         r'ViT has a class token only; start from the DeiT weights without distillation'):
+        posattn.create_model('vit_tiny', phi='peripheral', checkpoint=saved(tmp_path, distilled))
+
+
+def test_mmpretrain_options_posattn_lacks_are_reported(tmp_path):
+    pre_norm = build_mmpretrain_deit(pre_norm=True).state_dict()
+    with pytest.raises(ValueError, match=r'\(mmpretrain ViT layout\) does not fit vit_tiny:\n'
+                                         r'  missing keys \(1\): patch_embed.proj.bias\n'
+                                         r'  unexpected keys \(2\): backbone.pre_norm.weight; backbone.pre_norm.bias$'):
+        posattn.create_model('vit_tiny', phi='peripheral', checkpoint=saved(tmp_path, {'state_dict': pre_norm}))
+
+
+@pytest.mark.parametrize('source', ['timm', 'mmpretrain'])
+def test_posattn_vit_pretrained_init_starts_the_phi_fresh(checkpoints, monkeypatch, source):
+    from posattn_openmmlab import PosattnViT, backbones
+    logged = []
+    monkeypatch.setattr(backbones, 'print_log', lambda message, **kwargs: logged.append(message))
+    path, source_weights = checkpoints[source]
+    torch.manual_seed(5)
+    own_init = PosattnViT(arch='tiny', phi='peripheral').model.state_dict()
+    torch.manual_seed(5)
+    backbone = PosattnViT(arch='tiny', phi='peripheral', init_cfg=dict(type='Pretrained', checkpoint=str(path)))
+    backbone.init_weights()
+    for key, value in backbone.model.state_dict().items():
+        assert torch.equal(value, own_init[key] if '.attn.phi.' in key else source_weights[key]), key
+    layout = 'mmpretrain ViT' if source == 'mmpretrain' else 'posattn'
+    assert logged == [
+        f'PosattnViT from checkpoint {path} ({layout} layout): 120 Φp keys are not in it and start from their own '
+        f'initialisation: blocks.{{0..11}}.attn.phi.{{proj1_weight, proj1_bias, norm1_weight, norm1_bias, '
+        f'proj2_weight, proj2_bias, norm2_weight, norm2_bias, distance_embedding.weight, distance_embedding.bias}}',
+        f'PosattnViT: loaded every other backbone weight from {path} ({layout} layout); not loaded, the '
+        f'classifier: head.bias, head.weight']
+    with pytest.raises(ValueError, match=r"got \['prefix'\] too; the layout is recognised from the keys"):
+        PosattnViT(init_cfg=dict(type='Pretrained', checkpoint=str(path), prefix='backbone.')).init_weights()
+
+
+def test_docs_examples_run_and_show_the_report(tmp_path, monkeypatch, timm_deit):
+    from mmengine.registry import MODELS
+    from posattn_openmmlab import backbones
+    card = (Path(__file__).resolve().parents[1] / 'docs' / 'models.md').read_text()
+    section = card[card.index('## Starting from ViT and DeiT weights'):]
+    call, config = re.findall(r'```py\n(.*?)```', section, flags=re.S)
+    shown_report = re.search(r'```\n(vit_tiny from .*?)\n```', section).group(1)
+    monkeypatch.chdir(tmp_path)
+    torch.save(timm_deit.state_dict(), 'deit_tiny_patch16_224.pth')
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        exec(compile(call, 'docs/models.md', 'exec'), {'posattn': posattn})
+    assert [str(w.message) for w in caught] == [shown_report]
+    logged = []
+    monkeypatch.setattr(backbones, 'print_log', lambda message, **kwargs: logged.append(message))
+    namespace = {}
+    exec(compile(config, 'docs/models.md', 'exec'), namespace)
+    MODELS.build(namespace['model']['backbone']).init_weights()
+    assert logged[0] == shown_report.replace('vit_tiny', 'PosattnViT', 1)
