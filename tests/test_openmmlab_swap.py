@@ -142,7 +142,7 @@ def test_mmdet_swin_none_keeps_the_outputs_and_every_phi_trains():
 
     def build():
         return SwinTransformer(pretrain_img_size=32, embed_dims=32, depths=(2, 2), num_heads=(2, 4), window_size=4,
-                               strides=(4, 2), out_indices=(0, 1))
+                               strides=(4, 2), out_indices=(0, 1), drop_path_rate=0.0)
     images = torch.randn(2, 3, 40, 56)  # a 10 x 14 grid: padded windows
     swapped = assert_swap_keeps_outputs(in_container(build()), images)
     assert sum(isinstance(m, SwappedAttention) for m in swapped.modules()) == 4
