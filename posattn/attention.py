@@ -132,10 +132,10 @@ class Attention(nn.Module):
     def _check_input(self, x: torch.Tensor) -> None:
         if x.dim() != 3:
             raise ValueError(f'expected tokens (B, N, C), got shape {tuple(x.shape)}')
-        if x.shape[-1] != self.qkv.in_features:
-            raise ValueError(f'got tokens with {x.shape[-1]} channels; this layer has dim {self.qkv.in_features}')
-        if x.dtype != self.qkv.weight.dtype and not torch.is_autocast_enabled(x.device.type):
-            raise TypeError(f'tokens are {x.dtype} but the layer\'s parameters are {self.qkv.weight.dtype}: '
+        if x.shape[-1] != self.proj.out_features:
+            raise ValueError(f'got tokens with {x.shape[-1]} channels; this layer has dim {self.proj.out_features}')
+        if x.dtype != self.proj.weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(f'tokens are {x.dtype} but the layer\'s parameters are {self.proj.weight.dtype}: '
                             f'convert one to the other (model.to(dtype) or x.to(dtype)), or run under torch.autocast')
 
     def __prepare_scriptable__(self) -> 'Attention':

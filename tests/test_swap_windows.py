@@ -158,6 +158,7 @@ def test_without_own_positions_the_tables_are_dropped_and_the_shift_mask_kept(na
     torch.testing.assert_close(outputs(dropped, x), outputs(reference, x), rtol=0, atol=1e-5)
     tables = [p for n, p in dropped.named_parameters() if n.endswith('relative_position_bias_table')]
     assert len(tables) == 4 and all(t.abs().sum() > 0 for t in tables)  # kept, only not added
+    assert not any(t.requires_grad for t in tables)  # and frozen: no optimiser or DDP sees them unused
 
 
 def test_the_shift_mask_matters_where_it_is_kept():

@@ -22,7 +22,7 @@ from torch import nn
 
 from posattn.swap import AttentionSite, SwapPlan, register_family
 from posattn.swap.core import described, imported
-from posattn.swap.windows import COSINE_ATTENTION, WindowTableAttention
+from posattn.swap.windows import COSINE_ATTENTION, WindowTableAttention, tables_of
 
 __all__ = ['openmmlab_swin_transformer']
 
@@ -42,7 +42,8 @@ def _swin_plan(family: str, model: nn.Module, ShiftWindowMSA: type, WindowMSA: t
                              f'= {head_dim ** -0.5:.6g} that posattn scales its logits by: build it with qk_scale=None')
         sites.append(AttentionSite(shifted, 'w_msa', attn.embed_dims, attn.num_heads))
     embeddings = [model.absolute_pos_embed] if model.use_abs_pos_embed else []
-    return SwapPlan(family, sites, WindowTableAttention, position_embeddings=embeddings)
+    return SwapPlan(family, sites, WindowTableAttention, position_embeddings=embeddings,
+                    position_parameters=tables_of(sites))
 
 
 # family: (the module of its SwinTransformer, the module of its ShiftWindowMSA and WindowMSA)

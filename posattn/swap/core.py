@@ -81,12 +81,16 @@ class SwapPlan:
             hooked to record it; None when each replacement knows its grid (window attention).
         position_embeddings: the model's absolute position embeddings, zeroed and frozen when the
             model's own positions are dropped.
+        position_parameters: the parameters of the model's relative position tables and bias
+            networks, frozen when its own positions are dropped (kept, no longer used: no
+            optimiser or DistributedDataParallel sees them as trainable).
     """
     family: str
     sites: List[AttentionSite]
     adapter: type
     patch_projection: Optional[nn.Module] = None
-    position_embeddings: Sequence[nn.Parameter] = field(default_factory=list)
+    position_embeddings: Sequence[Optional[nn.Parameter]] = field(default_factory=list)
+    position_parameters: Sequence[Optional[nn.Parameter]] = field(default_factory=list)
 
 
 class SwappedAttention(Attention):
@@ -222,8 +226,14 @@ def swap_attention(model: nn.Module, phi: str = 'peripheral', *, own_positions: 
         else:
             target.register_forward_hook(replacement)
     if not own_positions:
-        with torch.no_grad():
-            for embedding in (e for plan in plans for e in plan.position_embeddings if e is not None):
-                embedding.zero_()
-                embedding.requires_grad_(False)
+        _drop_own_positions(plans)
     return model
+
+
+def _drop_own_positions(plans: Sequence[SwapPlan]) -> None:
+    with torch.no_grad():
+        for embedding in (e for plan in plans for e in plan.position_embeddings if e is not None):
+            embedding.zero_()
+            embedding.requires_grad_(False)
+    for param in (p for plan in plans for p in plan.position_parameters if p is not None):
+        param.requires_grad_(False)

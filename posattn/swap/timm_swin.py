@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 from torch import nn
 
 from .core import AttentionSite, SwapPlan, described, imported, register_family
-from .windows import COSINE_ATTENTION, WindowTableAttention
+from .windows import COSINE_ATTENTION, WindowTableAttention, tables_of
 
 _SWIN = 'timm.models.swin_transformer'
 
@@ -51,4 +51,4 @@ def timm_swin_transformer(model: nn.Module) -> Optional[SwapPlan]:
             raise TypeError(f'Swin block {i} attends in {attn.num_heads} heads x {head_dim} channels, not the block '
                             f'width {attn.dim} (head_dim): posattn.Attention splits the width into its heads')
         sites.append(AttentionSite(block, 'attn', attn.dim, attn.num_heads))
-    return SwapPlan('timm SwinTransformer', sites, TimmWindowAttention)
+    return SwapPlan('timm SwinTransformer', sites, TimmWindowAttention, position_parameters=tables_of(sites))

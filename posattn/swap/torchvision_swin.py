@@ -15,7 +15,7 @@ from einops import rearrange
 from torch import nn
 
 from .core import AttentionSite, SwapPlan, described, imported, register_family
-from .windows import COSINE_ATTENTION, WindowTableAttention
+from .windows import COSINE_ATTENTION, WindowTableAttention, tables_of
 
 _SWIN = 'torchvision.models.swin_transformer'
 
@@ -78,4 +78,5 @@ def torchvision_swin_transformer(model: nn.Module) -> Optional[SwapPlan]:
             raise TypeError(f'Swin block {i} holds {described(attn)}, not torchvision\'s ShiftedWindowAttention: '
                             'swap_attention replaces the attention of torchvision\'s SwinTransformerBlock only')
         sites.append(AttentionSite(block, 'attn', attn.qkv.in_features, attn.num_heads))
-    return SwapPlan('torchvision SwinTransformer', sites, TorchvisionWindowAttention)
+    return SwapPlan('torchvision SwinTransformer', sites, TorchvisionWindowAttention,
+                    position_parameters=tables_of(sites))

@@ -15,19 +15,24 @@ masks them instead).
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from einops import rearrange, repeat
 from torch import nn
 
 from ..grid import TokenGrid
-from .core import SwappedAttention
+from .core import AttentionSite, SwappedAttention
 
-__all__ = ['WindowTableAttention', 'COSINE_ATTENTION']
+__all__ = ['WindowTableAttention', 'COSINE_ATTENTION', 'tables_of']
 
 COSINE_ATTENTION = ("Swin V2's cosine attention (normalised queries and keys times a learned logit scale, "
                     'with a position bias from a continuous MLP) is not the scaled dot product posattn computes')
+
+
+def tables_of(sites: Sequence[AttentionSite]) -> List[nn.Parameter]:
+    """The relative position tables of the window attentions at ``sites``."""
+    return [site.module.relative_position_bias_table for site in sites]
 
 
 class WindowTableAttention(SwappedAttention):

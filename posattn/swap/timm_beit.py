@@ -1,0 +1,70 @@
+"""timm's ``Beit`` (BEiT, BEiT v2): the ``Attention`` of every block, with its separate q/v biases
+and its relative position bias, a learned table over the offsets of the image's patch grid plus
+three entries for the class token (Bao et al. 2022), per block or shared by all blocks
+(``use_shared_rel_pos_bias``). Both are kept under timm's names unless the model's own positions
+are dropped; BEiT's grid is fixed at construction, and ``set_input_size`` still resizes the tables
+after the swap."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+from .core import AttentionSite, SwapPlan, described, imported, register_family
+from .qkv_biases import SeparateBiasQkv
+
+_BEIT = 'timm.models.beit'
+
+
+class BeitAttention(SeparateBiasQkv):
+    """Called as BEiT's blocks call their attention: ``attn(x, shared_rel_pos_bias=None)``."""
+
+    def take_over(self, old: nn.Module) -> None:
+        super().take_over(old)
+        self.take(old, 'relative_position_bias_table', 'window_size')
+        self.num_relative_distance = getattr(old, 'num_relative_distance', None)
+        self.register_buffer('relative_position_index', old.relative_position_index, persistent=False)
+
+    def forward(self, x: torch.Tensor, shared_rel_pos_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        grid = self.grid_of(x, self.current_grid())
+        q, k, v = self.split_heads(self.project_qkv(self.phi.tokens(x, grid)))
+        out = self.attend(q, k, v, grid, own_bias=self.own_bias(shared_rel_pos_bias))
+        return self.proj_drop(self.proj(out))
+
+    def own_bias(self, shared: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The block's table bias (1, heads, N, N) plus the shared one, when the model's positions are kept."""
+        if not self.own_positions:
+            return None
+        if self.relative_position_bias_table is None:
+            return shared
+        bias = imported(_BEIT, 'Attention')._get_rel_pos_bias(self)
+        return bias if shared is None else bias + shared
+
+    def set_window_size(self, window_size: Tuple[int, int]) -> None:
+        """timm's own resize (``Beit.set_input_size`` calls it): the table is interpolated to the new grid."""
+        imported(_BEIT, 'Attention').set_window_size(self, window_size)
+
+    def _init_buffers(self) -> None:  # what timm's resize calls to rebuild the index
+        imported(_BEIT, 'Attention')._init_buffers(self)
+
+
+@register_family
+def timm_beit(model: nn.Module) -> Optional[SwapPlan]:
+    Beit = imported(_BEIT, 'Beit')
+    if Beit is None or not isinstance(model, Beit):
+        return None
+    Attention = imported(_BEIT, 'Attention')
+    sites = []
+    for i, block in enumerate(model.blocks):
+        attn = block.attn
+        if type(attn) is not Attention:
+            raise TypeError(f'block {i} holds {described(attn)}, not timm\'s BEiT Attention: swap_attention '
+                            'replaces the attention of BEiT\'s blocks only')
+        if attn.proj.in_features != model.embed_dim:
+            raise TypeError(f'block {i} attends in {attn.proj.in_features} channels, not the model width '
+                            f'{model.embed_dim} (attn_head_dim): posattn.Attention splits the width into its heads')
+        sites.append(AttentionSite(block, 'attn', model.embed_dim, attn.num_heads, model.num_prefix_tokens))
+    tables = [site.module.relative_position_bias_table for site in sites]
+    shared = list(model.rel_pos_bias.parameters()) if model.rel_pos_bias is not None else []
+    return SwapPlan('timm Beit', sites, BeitAttention, model.patch_embed.proj, [model.pos_embed], tables + shared)
