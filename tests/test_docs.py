@@ -43,3 +43,45 @@ def test_quickstart_example_runs():
     assert result.returncode == 0, result.stderr[-3000:]
     assert 'Φp registered: irpe, none, peg, peripheral' in result.stdout
     assert 'layer 0: Φp from' in result.stdout
+
+
+def swap_families():
+    """The rows of docs/swap.md's table of families: (model, example, swapped, reason)."""
+    rows = []
+    for line in (DOCS / 'swap.md').read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip('|').split('|')]
+        if len(cells) == 4 and cells[2] in ('yes', 'refused'):
+            rows.append(pytest.param(cells[1].strip('`'), cells[2] == 'yes', cells[3].replace('`', ''),
+                                     id=cells[0].replace('`', '')))
+    return rows
+
+
+@pytest.mark.parametrize('example,swapped,reason', swap_families())
+def test_swap_families_table(example, swapped, reason):
+    """Each model of the table builds from its example; a supported one keeps its outputs with
+    'none', a refused one raises an error that gives the table's reason."""
+    import copy
+    import importlib
+
+    from conftest import _tensors, randomised
+    from posattn.swap import swap_attention
+    namespace = {'timm': pytest.importorskip('timm'), 'torchvision': pytest.importorskip('torchvision')}
+    if example.startswith('mm'):
+        pytest.importorskip('posattn_openmmlab')
+        namespace.update({name: pytest.importorskip(name) for name in ('mmpretrain', 'mmseg', 'mmdet')})
+        for name in ('mmpretrain.models', 'mmseg.models.backbones', 'mmdet.models.backbones'):
+            importlib.import_module(name)  # the names the examples use
+    model = torch.nn.Sequential(eval(example, namespace))
+    if not swapped:
+        with pytest.raises((TypeError, ValueError)) as refusal:
+            swap_attention(model, phi='peripheral')
+        assert reason in str(refusal.value)
+        return
+    model = randomised(model)
+    swapped_model = swap_attention(copy.deepcopy(model), phi='none')
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = _tensors(model(x)), _tensors(swapped_model(x))
+    assert len(got) == len(expected)
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-5)

@@ -2,7 +2,7 @@
 dynamic image size), also built with ``features_only=True``: the ``WindowAttention`` of every
 ``SwinTransformerBlock``, called with the windows its block cut and the block's shift mask. The
 relative position table stays, under timm's names; ``set_input_size`` still resizes it after the swap.
-Swin V2 (``SwinTransformerV2``) is refused: its attention is cosine attention."""
+Swin V2 (``SwinTransformerV2``, ``SwinTransformerV2Cr``) is refused: its attention is cosine attention."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -34,8 +34,9 @@ def _is_swin(model: nn.Module) -> bool:
 
 @register_family
 def timm_swin_transformer(model: nn.Module) -> Optional[SwapPlan]:
-    SwinTransformerV2 = imported('timm.models.swin_transformer_v2', 'SwinTransformerV2')
-    if SwinTransformerV2 is not None and isinstance(model, SwinTransformerV2):
+    version_2 = (imported('timm.models.swin_transformer_v2', 'SwinTransformerV2'),
+                 imported('timm.models.swin_transformer_v2_cr', 'SwinTransformerV2Cr'))
+    if isinstance(model, tuple(filter(None, version_2))):
         raise TypeError(f'cannot swap {described(model)}: {COSINE_ATTENTION}')
     if not _is_swin(model):
         return None
