@@ -36,7 +36,7 @@ def posattn_outputs(model, images):
     model.eval()
     with torch.no_grad():
         logits = model(images)
-        maps = model.forward_intermediates(images, range(len(model.blocks)))
+        maps = model.forward_intermediates(images, intermediates_only=True)
         height, width = maps[0].shape[-2:]
         return {'logits': logits,
                 'block_out': {i: m.flatten(2).transpose(1, 2) for i, m in enumerate(maps)},

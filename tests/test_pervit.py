@@ -96,7 +96,7 @@ def test_any_input_size_builds_phi_for_its_grid(tiny, phi_calls, height, width):
 def test_large_non_square_input(tiny, phi_calls):
     tiny.eval()
     with torch.no_grad():
-        maps = tiny.forward_intermediates(torch.randn(1, 3, 512, 640), [3, 11])
+        maps = tiny.forward_intermediates(torch.randn(1, 3, 512, 640), [3, 11], intermediates_only=True)
     assert [m.shape for m in maps] == [(1, 224, 32, 40), (1, 280, 32, 40)]
     assert set(phi_calls) == {(32, 40)}
 
@@ -133,12 +133,16 @@ def test_features_and_intermediates(tiny):
     images = torch.randn(2, 3, 96, 64)
     with torch.no_grad():
         features = tiny.forward_features(images)
-        maps = tiny.forward_intermediates(images, [11, 1, 3, 9])
-        last = maps[0].permute(0, 2, 3, 1)
+        final, maps = tiny.forward_intermediates(images, [11, 1, 3, 9])
+        last = maps[-1].permute(0, 2, 3, 1)
         torch.testing.assert_close(features, tiny.norm(last).permute(0, 3, 1, 2))
+        torch.testing.assert_close(final, features)
         torch.testing.assert_close(tiny(images), tiny.head(features.mean((2, 3))))
-    assert [m.shape for m in maps] == [(2, 280, 6, 4), (2, 192, 6, 4), (2, 224, 6, 4), (2, 280, 6, 4)]
-    with pytest.raises(ValueError, match=r'block indices \[12\] are not in 0..11'):
+        normed = tiny.forward_intermediates(images, 2, norm=True, intermediates_only=True)
+        torch.testing.assert_close(normed[-1], features)
+        torch.testing.assert_close(normed[0], tiny.forward_intermediates(images, [10], intermediates_only=True)[0])
+    assert [m.shape for m in maps] == [(2, 192, 6, 4), (2, 224, 6, 4), (2, 280, 6, 4), (2, 280, 6, 4)]
+    with pytest.raises(ValueError, match=r'block indices \[3, 12\] are not in 0..11'):
         tiny.forward_intermediates(images, [3, 12])
 
 

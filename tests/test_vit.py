@@ -113,7 +113,7 @@ def test_stochastic_depth_and_dropout_only_in_training():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="global_pool='token' classifies the class token: pass class_token=True"):
         small_vit(class_token=False)
-    with pytest.raises(ValueError, match=r"global_pool must be 'token' or 'avg', got 'max'"):
+    with pytest.raises(ValueError, match=r"global_pool must be 'token', 'avg' or '', got 'max'"):
         small_vit(global_pool='max')
     with pytest.raises(ValueError, match=r'peg_after \(0, 3\) names blocks outside 0..2'):
         small_vit(peg_after=(3, 0))

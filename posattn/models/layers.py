@@ -1,13 +1,14 @@
-"""The building blocks posattn's models share: stochastic depth, the transformer MLP, patch embedding."""
+"""The building blocks posattn's models share: stochastic depth, the transformer MLP, patch
+embedding, and timm's conventions for choosing blocks."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from einops import rearrange
 from torch import nn
 
-__all__ = ['DropPath', 'Mlp', 'PatchEmbed']
+__all__ = ['DropPath', 'Mlp', 'PatchEmbed', 'take_indices']
 
 
 class DropPath(nn.Module):
@@ -61,3 +62,19 @@ class PatchEmbed(nn.Module):
                              f'patches; resize or pad it to a multiple of {self.patch_size}')
         x = self.proj(x)
         return rearrange(x, 'b c h w -> b (h w) c'), (x.shape[-2], x.shape[-1])
+
+
+def take_indices(num_blocks: int, indices: Optional[Union[int, Sequence[int]]] = None) -> List[int]:
+    """The blocks that ``indices`` names, in block order (timm's ``forward_intermediates`` convention):
+    None, every block; an int n, the last n; a sequence, those blocks (negative ones counted from
+    the end)."""
+    if indices is None:
+        indices = num_blocks
+    if isinstance(indices, int):
+        if not 0 < indices <= num_blocks:
+            raise ValueError(f'asked for the last {indices} blocks of {num_blocks}')
+        return list(range(num_blocks - indices, num_blocks))
+    resolved = sorted({int(i) + num_blocks if int(i) < 0 else int(i) for i in indices})
+    if not resolved or not all(0 <= i < num_blocks for i in resolved):
+        raise ValueError(f'block indices {list(indices)} are not in 0..{num_blocks - 1} (or -{num_blocks}..-1)')
+    return resolved

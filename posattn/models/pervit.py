@@ -27,9 +27,10 @@ norms and MLP always see the whole grid.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
+import torch.utils.checkpoint
 from einops import rearrange
 from torch import nn
 
@@ -38,8 +39,8 @@ from ..grid import TokenGrid
 from ..phi.peg import PositionEncodingGenerator
 from ..phi.peripheral import DistanceEmbedding, PeripheralPhi
 from ..window import GridWindows
-from .layers import DropPath, Mlp
-from .registry import create_from_arch, register_model
+from .layers import DropPath, Mlp, take_indices
+from .registry import create_from_arch, load_checkpoint, register_model
 
 __all__ = ['PerViT', 'PerViTBlock', 'ConvStem', 'PERVIT_ARCHS', 'pervit_tiny', 'pervit_small',
            'pervit_medium']
@@ -152,12 +153,14 @@ class PerViT(nn.Module):
             ImageNet grid, so that windows see the Φp they were trained with).
         global_blocks: indices of the blocks that attend over the whole grid when windowed
             (e.g. (3, 7, 11), one per quarter as in ViTDet).
+        global_pool: 'avg' (the release's mean over tokens) or '' (no pooling: the head sees the
+            (B, C, h, w) map, timm's convention).
     """
 
     def __init__(self, embed_dims: Sequence[int] = (128, 192, 224, 280), depths: Sequence[int] = (2, 2, 6, 2),
                  num_heads: int = 4, stem_dims: Sequence[int] = (48, 64, 96, 128), in_chans: int = 3,
                  num_classes: int = 1000, drop_path_rate: float = 0.0, window_size: Optional[int] = None,
-                 global_blocks: Sequence[int] = ()):
+                 global_blocks: Sequence[int] = (), global_pool: str = 'avg'):
         super().__init__()
         if len(embed_dims) != len(depths):
             raise ValueError(f'{len(embed_dims)} stage widths for {len(depths)} stages')
@@ -174,7 +177,9 @@ class PerViT(nn.Module):
         if any(not 0 <= i < num_layers for i in global_blocks):
             raise ValueError(f'global_blocks {global_blocks} must be block indices in 0..{num_layers - 1}')
         self.num_classes = num_classes
-        self.num_features = embed_dims[-1]
+        self.num_features = self.head_hidden_size = embed_dims[-1]
+        self.global_pool = self._checked_pool(global_pool)
+        self.grad_checkpointing = False
         self.stem = ConvStem(in_chans, stem_dims, embed_dims[0])
         # Φp's w_r: one Linear(1, 4 * heads) for the whole model, as in the release.
         self.distance_embedding = DistanceEmbedding(4 * num_heads)
@@ -189,7 +194,15 @@ class PerViT(nn.Module):
             for i in range(num_layers)])
         self.norm = nn.LayerNorm(self.num_features, eps=1e-6)
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        self.feature_info = [dict(module=f'blocks.{i}', num_chs=out_dims[i], reduction=self.stem.stride)
+                             for i in range(num_layers)]
         self.init_weights()
+
+    @staticmethod
+    def _checked_pool(global_pool: str) -> str:
+        if global_pool not in ('avg', ''):
+            raise ValueError(f"global_pool must be 'avg' or '' (PerViT has no class token), got {global_pool!r}")
+        return global_pool
 
     def init_weights(self) -> None:
         """The release's: truncated normal (std 0.02, zero bias) for every Linear (qkv, proj, MLP,
@@ -200,36 +213,103 @@ class PerViT(nn.Module):
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
 
-    def forward_intermediates(self, x: torch.Tensor, indices: Sequence[int]) -> List[torch.Tensor]:
-        """Output maps of the blocks ``indices``, each (B, C_i, h, w) before any norm, in the order given.
+    def iter_blocks(self, x: torch.Tensor, grid: TokenGrid, num_blocks: Optional[int] = None):
+        """Runs the first ``num_blocks`` blocks (all by default), yielding (block index, tokens) after each."""
+        for i, block in enumerate(self.blocks[:num_blocks]):
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, grid, use_reentrant=False)
+            else:
+                x = block(x, grid)
+            yield i, x
 
-        Blocks after the last requested one are not run. For dense-prediction backbones.
+    def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, Sequence[int]]] = None,
+                              norm: bool = False, stop_early: bool = False, output_fmt: str = 'NCHW',
+                              intermediates_only: bool = False):
+        """The outputs of the blocks ``indices`` (timm's convention: None all, n the last n, or a
+        list), in block order: (B, C_i, h, w) for ``output_fmt='NCHW'``, (B, h*w, C_i) for 'NLC'.
+        With ``norm``, the last block's output goes through the final norm (as in timm's
+        hierarchical models: the norm belongs to the last stage's output).
+
+        Returns the list alone with ``intermediates_only``, else (the final normalised map, as
+        ``forward_features`` gives it, and the list); ``stop_early`` runs no block after the last
+        one asked for. One loop for every caller: the OpenMMLab backbone uses it too.
         """
-        indices = [int(i) for i in indices]
-        bad = [i for i in indices if not 0 <= i < len(self.blocks)]
-        if bad or not indices:
-            raise ValueError(f'block indices {bad or indices} are not in 0..{len(self.blocks) - 1}')
+        if output_fmt not in ('NCHW', 'NLC'):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        wanted = take_indices(len(self.blocks), indices)
         x, grid = self.stem(x)
-        maps = {}
-        for i, block in enumerate(self.blocks[:max(indices) + 1]):
-            x = block(x, grid)
-            if i in indices:
-                maps[i] = rearrange(x, 'b (h w) c -> b c h w', h=grid.height, w=grid.width)
-        return [maps[i] for i in indices]
+        last = wanted[-1] + 1 if stop_early or intermediates_only else None
+        intermediates = []
+        for i, x in self.iter_blocks(x, grid, last):
+            if i in wanted:
+                y = self.norm(x) if norm and i == len(self.blocks) - 1 else x
+                intermediates.append(self._as_map(y, grid) if output_fmt == 'NCHW' else y)
+        return intermediates if intermediates_only else (self._as_map(self.norm(x), grid), intermediates)
+
+    @staticmethod
+    def _as_map(tokens: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
+        return rearrange(tokens, 'b (h w) c -> b c h w', h=grid.height, w=grid.width)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, 3, H, W) -> the final normalised map (B, C, ceil(H/16), ceil(W/16))."""
         x, grid = self.stem(x)
-        for block in self.blocks:
-            x = block(x, grid)
-        return rearrange(self.norm(x), 'b (h w) c -> b c h w', h=grid.height, w=grid.width)
+        for _, x in self.iter_blocks(x, grid):
+            pass
+        return self._as_map(self.norm(x), grid)
 
-    def forward_head(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, C, h, w) -> logits (B, num_classes): global average pooling, then the classifier."""
-        return self.head(x.mean(dim=(-2, -1)))
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """(B, C, h, w) -> logits (B, num_classes): global average pooling, then the classifier; with
+        ``pre_logits`` the pooled features (B, C). With ``global_pool=''`` nothing is pooled."""
+        if self.global_pool == 'avg':
+            x = x.mean(dim=(-2, -1))
+        return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
+
+    def prune_intermediate_layers(self, indices: Union[int, Sequence[int]] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> List[int]:
+        """Drop the blocks after the last of ``indices``, and optionally the final norm and the
+        classifier (then ``forward_head`` passes the map through); returns the indices."""
+        wanted = take_indices(len(self.blocks), indices)
+        self.blocks = self.blocks[:wanted[-1] + 1]
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, '')
+        return wanted
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        """A new classifier of ``num_classes`` outputs (0: none), and optionally a new pooling."""
+        if global_pool is not None:
+            self.global_pool = self._checked_pool(global_pool)
+        self.num_classes = num_classes
+        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+
+    @torch.jit.ignore
+    def load_pretrained(self, checkpoint_path: str) -> None:
+        """Weights from a file, in any layout ``posattn.create_model`` reads; a classifier of another
+        size is left out (with a warning). timm calls it for ``timm.create_model(name,
+        pretrained=True, pretrained_cfg_overlay=dict(file=checkpoint_path))``."""
+        load_checkpoint(self, checkpoint_path, target=type(self).__name__, classifier_may_differ=True)
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each block in the backward pass instead of keeping its activations."""
+        self.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> Set[str]:
+        """None beyond what weight-decaying optimisers skip anyway (biases, norms: 1-D parameters)."""
+        return set()
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        """Parameter groups by depth, for layer-wise learning-rate decay (timm's convention): the
+        stem and the shared distance embedding first, then each block, then the final norm."""
+        return dict(stem=r'^stem|^distance_embedding', blocks=[(r'^blocks\.(\d+)', None), (r'^norm', (99999,))])
 
 
 @register_model('pervit_tiny')

@@ -14,7 +14,7 @@ from ..convert import read_checkpoint, to_posattn_layout
 from ..phi import PositionalModule
 
 __all__ = ['register_model', 'create_model', 'create_from_arch', 'list_models', 'load_weights',
-           'load_pretrained', 'fitting_model', 'state_dict_mismatch']
+           'load_pretrained', 'load_checkpoint', 'fitting_model', 'state_dict_mismatch']
 
 _MODELS: Dict[str, Callable[..., nn.Module]] = {}
 _LISTED = 8  # keys shown per kind of mismatch
@@ -75,12 +75,37 @@ def create_model(name: str, checkpoint: Optional[Union[str, os.PathLike]] = None
     state_dict = read_checkpoint(checkpoint) if checkpoint is not None else None
     model = builder(**kwargs)
     if state_dict is not None:
-        state_dict, layout = to_posattn_layout(state_dict)
-        _, report = load_pretrained(model, state_dict, source=f'checkpoint {os.fspath(checkpoint)} ({layout} layout)',
-                                    target=name)
-        if report is not None:
-            warnings.warn(report, stacklevel=2)
+        _load_read_checkpoint(model, state_dict, os.fspath(checkpoint), target=name)
     return model
+
+
+def load_checkpoint(model: nn.Module, checkpoint: Union[str, os.PathLike], *, target: str,
+                    classifier_may_differ: bool = False) -> None:
+    """Load a checkpoint file into ``model`` as :func:`create_model` does (any layout it reads,
+    weights-only, strictly, a plain ViT's weights leaving the Φp fresh, with a warning).
+
+    With ``classifier_may_differ`` (timm's convention for pretrained weights) a classifier whose
+    size is not the model's is left out, with a warning, instead of failing.
+    """
+    _load_read_checkpoint(model, read_checkpoint(checkpoint), os.fspath(checkpoint), target=target,
+                          classifier_may_differ=classifier_may_differ)
+
+
+def _load_read_checkpoint(model: nn.Module, state_dict: Mapping[str, Any], path: str, *, target: str,
+                          classifier_may_differ: bool = False) -> None:
+    state_dict, layout = to_posattn_layout(state_dict)
+    source = f'checkpoint {path} ({layout} layout)'
+    ignore: Tuple[str, ...] = ()
+    head = getattr(model, 'head', None)
+    if classifier_may_differ and 'head.weight' in state_dict and (
+            not isinstance(head, nn.Linear) or tuple(head.weight.shape) != tuple(state_dict['head.weight'].shape)):
+        ignore = ('head.',)
+        outputs = head.out_features if isinstance(head, nn.Linear) else 0
+        warnings.warn(f'{target}: the classifier of {source} ({state_dict["head.weight"].shape[0]} classes) is not '
+                      f'loaded: the model has {outputs}', stacklevel=3)
+    _, report = load_pretrained(model, state_dict, source=source, target=target, ignore=ignore)
+    if report is not None:
+        warnings.warn(report, stacklevel=3)
 
 
 @functools.lru_cache(maxsize=None)

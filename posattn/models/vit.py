@@ -20,18 +20,19 @@ grid the input produces, and every Φp is evaluated on that grid.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from einops import rearrange
 from torch import nn
 
 from ..attention import Attention
 from ..grid import TokenGrid
 from ..phi import PositionalModule, build_layer_phi, build_phi
-from .layers import DropPath, Mlp, PatchEmbed
-from .registry import create_from_arch, register_model
+from .layers import DropPath, Mlp, PatchEmbed, take_indices
+from .registry import create_from_arch, load_checkpoint, register_model
 
 __all__ = ['VisionTransformer', 'Block', 'VIT_ARCHS', 'resize_pos_embed', 'vit_tiny', 'vit_small', 'vit_base']
 
@@ -112,8 +113,8 @@ class VisionTransformer(nn.Module):
         mlp_ratio: MLP hidden width over ``embed_dim``.
         qkv_bias: bias on the qkv projections.
         class_token: prepend a learned class token (the only prefix token).
-        global_pool: 'token' (classify the class token, DeiT) or 'avg' (mean of the grid tokens,
-            CPVT's GAP head).
+        global_pool: 'token' (classify the class token, DeiT), 'avg' (mean of the grid tokens,
+            CPVT's GAP head) or '' (no pooling: the head sees every token, timm's convention).
         pos_embed: learned absolute position embedding added after the patch embedding.
         peg_after: indices of the blocks after which a PEG (CPVT) runs on the tokens.
         phi: the Φp of every attention layer, by registered name (``posattn.list_phis()``).
@@ -132,20 +133,16 @@ class VisionTransformer(nn.Module):
                  phi: str = 'none', phi_cfg: Optional[Mapping[str, Any]] = None,
                  drop_rate: float = 0.0, attn_drop_rate: float = 0.0, drop_path_rate: float = 0.0):
         super().__init__()
-        if global_pool not in ('token', 'avg'):
-            raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
-        if global_pool == 'token' and not class_token:
-            raise ValueError("global_pool='token' classifies the class token: pass class_token=True "
-                             "or global_pool='avg'")
+        self.num_prefix_tokens = int(class_token)
+        self.global_pool = self._checked_pool(global_pool)
         peg_after = tuple(sorted(set(peg_after)))
         if any(not 0 <= i < depth for i in peg_after):
             raise ValueError(f'peg_after {peg_after} names blocks outside 0..{depth - 1}')
         if embed_dim % num_heads:
             raise ValueError(f'embed_dim {embed_dim} is not divisible by num_heads {num_heads}')
         self.num_classes = num_classes
-        self.global_pool = global_pool
-        self.num_prefix_tokens = int(class_token)
-        self.embed_dim = embed_dim
+        self.embed_dim = self.num_features = self.head_hidden_size = embed_dim
+        self.grad_checkpointing = False
         self.patch_embed = PatchEmbed(patch_size, in_chans, embed_dim)
         self.grid_size = (img_size // patch_size, img_size // patch_size)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
@@ -162,7 +159,16 @@ class VisionTransformer(nn.Module):
         self.pegs = nn.ModuleDict({str(i): build_phi('peg', dim=embed_dim) for i in peg_after})
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.feature_info = [dict(module=f'blocks.{i}', num_chs=embed_dim, reduction=patch_size) for i in range(depth)]
         self.init_weights()
+
+    def _checked_pool(self, global_pool: str) -> str:
+        if global_pool not in ('token', 'avg', ''):
+            raise ValueError(f"global_pool must be 'token', 'avg' or '', got {global_pool!r}")
+        if global_pool == 'token' and not self.num_prefix_tokens:
+            raise ValueError("global_pool='token' classifies the class token: pass class_token=True "
+                             "or global_pool='avg'")
+        return global_pool
 
     def init_weights(self) -> None:
         """timm's ViT initialisation; each Φp keeps its own."""
@@ -187,7 +193,10 @@ class VisionTransformer(nn.Module):
         """Runs the first ``num_blocks`` blocks (all by default), each followed by its PEG if it has
         one, yielding (block index, tokens) after each."""
         for i, block in enumerate(self.blocks[:num_blocks]):
-            x = block(x, grid)
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, grid, use_reentrant=False)
+            else:
+                x = block(x, grid)
             if str(i) in self.pegs:
                 x = self.pegs[str(i)](x, grid)
             yield i, x
@@ -199,9 +208,90 @@ class VisionTransformer(nn.Module):
             pass
         return self.norm(x)
 
-    def forward_head(self, x: torch.Tensor) -> torch.Tensor:
-        x = x[:, 0] if self.global_pool == 'token' else x[:, self.num_prefix_tokens:].mean(dim=1)
-        return self.head(x)
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Normalised tokens (B, N, C) -> logits (B, num_classes), or with ``pre_logits`` the pooled
+        features the classifier takes (B, C); with ``global_pool=''`` nothing is pooled."""
+        if self.global_pool == 'token':
+            x = x[:, 0]
+        elif self.global_pool == 'avg':
+            x = x[:, self.num_prefix_tokens:].mean(dim=1)
+        return x if pre_logits else self.head(x)
+
+    def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, Sequence[int]]] = None,
+                              return_prefix_tokens: bool = False, norm: bool = False, stop_early: bool = False,
+                              output_fmt: str = 'NCHW', intermediates_only: bool = False):
+        """The outputs of the blocks ``indices`` (timm's convention: None all, n the last n, or a
+        list), in block order, after the block's PEG if it has one; with ``norm`` through the
+        final norm. Each is (B, C, h, w) for ``output_fmt='NCHW'`` or (B, h*w, C) for 'NLC', the
+        prefix tokens left out, or paired with them (B, prefix, C) with ``return_prefix_tokens``.
+
+        Returns the list alone with ``intermediates_only``, else (the final normalised tokens, the
+        list); ``stop_early`` runs no block after the last one asked for.
+        """
+        if output_fmt not in ('NCHW', 'NLC'):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        wanted = take_indices(len(self.blocks), indices)
+        x, grid = self.embed_tokens(x)
+        last = wanted[-1] + 1 if stop_early or intermediates_only else None
+        intermediates = []
+        for i, x in self.iter_blocks(x, grid, num_blocks=last):
+            if i in wanted:
+                intermediates.append(self._intermediate(self.norm(x) if norm else x, grid, output_fmt,
+                                                        return_prefix_tokens))
+        return intermediates if intermediates_only else (self.norm(x), intermediates)
+
+    @staticmethod
+    def _intermediate(tokens: torch.Tensor, grid: TokenGrid, output_fmt: str, return_prefix_tokens: bool):
+        prefix, spatial = tokens.split([grid.num_prefix_tokens, grid.height * grid.width], dim=1)
+        if output_fmt == 'NCHW':
+            spatial = rearrange(spatial, 'b (h w) c -> b c h w', h=grid.height, w=grid.width)
+        return (spatial, prefix) if return_prefix_tokens else spatial
+
+    def prune_intermediate_layers(self, indices: Union[int, Sequence[int]] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> List[int]:
+        """Drop the blocks (and PEGs) after the last of ``indices``, and optionally the final norm
+        and the classifier (then ``forward_head`` passes tokens through); returns the indices."""
+        wanted = take_indices(len(self.blocks), indices)
+        self.blocks = self.blocks[:wanted[-1] + 1]
+        self.pegs = nn.ModuleDict({i: peg for i, peg in self.pegs.items() if int(i) <= wanted[-1]})
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, '')
+        return wanted
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        """A new classifier of ``num_classes`` outputs (0: none), and optionally a new pooling."""
+        if global_pool is not None:
+            self.global_pool = self._checked_pool(global_pool)
+        self.num_classes = num_classes
+        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+
+    @torch.jit.ignore
+    def load_pretrained(self, checkpoint_path: str) -> None:
+        """Weights from a file, in any layout ``posattn.create_model`` reads; a classifier of another
+        size is left out (with a warning). timm calls it for ``timm.create_model(name,
+        pretrained=True, pretrained_cfg_overlay=dict(file=checkpoint_path))``."""
+        load_checkpoint(self, checkpoint_path, target=type(self).__name__, classifier_may_differ=True)
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each block in the backward pass instead of keeping its activations."""
+        self.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> Set[str]:
+        """Parameters a weight-decaying optimiser should leave alone (timm's optimiser factory reads it)."""
+        return {name for name in ('pos_embed', 'cls_token') if getattr(self, name) is not None}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        """Parameter groups by depth, for layer-wise learning-rate decay (timm's convention): the
+        embeddings first, then each block with the PEG that follows it, then the final norm."""
+        return dict(stem=r'^cls_token|^pos_embed|^patch_embed',
+                    blocks=[(r'^(?:blocks|pegs)\.(\d+)', None), (r'^norm', (99999,))])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))

@@ -1,0 +1,241 @@
+"""posattn's models as timm models: registered with timm, timm's model API, and the checks timm's own
+model tests (``tests/test_models.py`` in timm's repository) run on every model, with its input sizes:
+forward at up to 384, backward at 128 with ``num_classes=42`` and a gradient for every parameter,
+the pretrained config against the model, classifier resets, ``forward_intermediates`` and
+``features_only`` at 96."""
+import argparse
+import math
+import pickle
+import warnings
+
+import pytest
+import torch
+
+import posattn
+
+from release_pervit import ReleasePerViT
+
+timm = pytest.importorskip('timm')
+import timm.optim  # noqa: E402 (after the skip)
+
+NAMES = posattn.list_models()
+FORWARD_SIZE, BACKWARD_SIZE, FEATURES_SIZE = 384, 128, 96  # timm's TARGET_FWD_SIZE, TARGET_BWD_SIZE, TARGET_FFEAT_SIZE
+SLOW = {'pervit_small', 'pervit_medium', 'vit_base'}
+
+
+def names():
+    return [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else []) for name in NAMES]
+
+
+def input_size(model, target):
+    """timm's ``_get_input_size``: the pretrained config's size, each side capped at ``target``."""
+    size = model.pretrained_cfg['input_size']
+    return tuple(min(side, target) for side in size)
+
+
+def test_every_model_is_registered_with_timm():
+    assert set(NAMES) <= set(timm.list_models())
+    assert timm.list_models('pervit*') == ['pervit_medium', 'pervit_small', 'pervit_tiny']
+    for name in NAMES:
+        assert timm.models.is_model(name) and timm.models.get_pretrained_cfg(name).paper_ids
+
+
+@pytest.mark.parametrize('name', names())
+def test_forward(name):
+    model = timm.create_model(name, pretrained=False).eval()
+    with torch.no_grad():
+        out = model(torch.randn(1, *input_size(model, FORWARD_SIZE)))
+    assert out.shape == (1, 1000) and not out.isnan().any()
+
+
+@pytest.mark.parametrize('name', names())
+def test_backward_reaches_every_parameter(name):
+    model = timm.create_model(name, pretrained=False, num_classes=42).train()
+    out = model(torch.randn(2, *input_size(model, BACKWARD_SIZE)))
+    out.mean().backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing and out.shape[-1] == 42 and not out.isnan().any()
+
+
+@pytest.mark.parametrize('phi', posattn.list_phis())
+def test_backward_reaches_every_parameter_of_every_phi(phi):
+    model = timm.create_model('vit_tiny', phi=phi, num_classes=42, depth=2).train()
+    model(torch.randn(2, 3, BACKWARD_SIZE, BACKWARD_SIZE)).mean().backward()
+    assert not [n for n, p in model.named_parameters() if p.grad is None]
+
+
+@pytest.mark.parametrize('name', names())
+def test_pretrained_cfg_fits_the_model(name):
+    """timm's ``test_model_default_cfgs``: PerViT is a standard (NCHW) model, the ViTs are token models
+    (timm's non-standard filter, as for its own ViTs)."""
+    model = timm.create_model(name, pretrained=False).eval()
+    cfg = model.pretrained_cfg
+    assert model.default_cfg is cfg or model.default_cfg == cfg
+    assert model.num_classes == 1000 and model.num_features > 0 and model.head_hidden_size > 0
+    state_dict = model.state_dict()
+    assert cfg['classifier'] + '.weight' in state_dict and cfg['first_conv'] + '.weight' in state_dict
+    x = torch.randn(1, *input_size(model, 448))
+    with torch.no_grad():
+        features = model.forward_features(x)
+        pre_logits = model.forward_head(features, pre_logits=True)
+        assert pre_logits.shape == (1, model.head_hidden_size)
+        if name.startswith('pervit'):
+            assert features.shape[-2:] == cfg['pool_size'] and features.shape[1] == model.num_features
+        else:
+            assert features.shape[-1] == model.num_features
+        model.reset_classifier(0)
+        assert model(x).shape == (1, model.head_hidden_size)
+        model.reset_classifier(0, '')
+        unpooled = model(x)
+        if name.startswith('pervit'):
+            assert unpooled.shape[-2:] == cfg['pool_size']
+            headless = timm.create_model(name, pretrained=False, num_classes=0, global_pool='').eval()
+            assert headless(x).shape == (1, model.num_features, *cfg['pool_size'])
+        else:
+            assert unpooled.shape == features.shape
+            assert timm.create_model(name, num_classes=0).eval()(x).shape == (1, model.num_features)
+
+
+@pytest.mark.parametrize('name', names())
+def test_forward_intermediates(name):
+    model = timm.create_model(name, pretrained=False).eval()
+    info = timm.models.FeatureInfo(model.feature_info, range(len(model.feature_info)))
+    size = input_size(model, FEATURES_SIZE)
+    x = torch.randn(2, *size)
+    with torch.no_grad():
+        final, intermediates = model.forward_intermediates(x)
+        torch.testing.assert_close(final, model.forward_features(x))
+    assert len(intermediates) == len(info.channels()) >= 3
+    for channels, reduction, out in zip(info.channels(), info.reduction(), intermediates):
+        assert out.shape[:2] == (2, channels) and not out.isnan().any()
+        assert out.shape[2] <= math.ceil(size[1] / reduction) + 1 and out.shape[3] <= math.ceil(size[2] / reduction) + 1
+
+
+@pytest.mark.parametrize('name', names())
+def test_features_only(name):
+    model = timm.create_model(name, pretrained=False, features_only=True).eval()
+    channels = model.feature_info.channels()
+    with torch.no_grad():
+        outputs = model(torch.randn(1, 3, FEATURES_SIZE, FEATURES_SIZE))
+    assert len(outputs) == len(channels) >= 3
+    for expected, out, reduction in zip(channels, outputs, model.feature_info.reduction()):
+        assert out.shape == (1, expected, FEATURES_SIZE // reduction, FEATURES_SIZE // reduction)
+    assert model.pretrained_cfg['input_size'] == (3, 224, 224)
+
+
+def test_intermediates_match_the_forward_pass():
+    """The ViT's NLC / NCHW intermediates, prefix tokens and norm are the blocks' outputs."""
+    model = timm.create_model('vit_tiny', depth=3, phi='peg').eval()
+    x = torch.randn(2, 3, 48, 64)
+    with torch.no_grad():
+        tokens, grid = model.embed_tokens(x)
+        outputs = [t for _, t in model.iter_blocks(tokens, grid)]
+        final, maps = model.forward_intermediates(x, [0, -1], return_prefix_tokens=True, norm=True)
+        nlc = model.forward_intermediates(x, 2, output_fmt='NLC', intermediates_only=True)
+    torch.testing.assert_close(final, model.forward_features(x))
+    spatial, prefix = maps[1]
+    torch.testing.assert_close(prefix, model.norm(outputs[2])[:, :1])
+    torch.testing.assert_close(spatial.flatten(2).transpose(1, 2), model.norm(outputs[2])[:, 1:])
+    torch.testing.assert_close(nlc[0], outputs[1][:, 1:])
+    assert spatial.shape == (2, 192, 3, 4)
+    with pytest.raises(ValueError, match="output_fmt must be 'NCHW' or 'NLC'"):
+        model.forward_intermediates(x, output_fmt='NHWC')
+
+
+@pytest.mark.parametrize('name', ['pervit_tiny', 'vit_tiny'])
+def test_prune_intermediate_layers(name):
+    model = timm.create_model(name, pretrained=False).eval()
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        expected = model.forward_intermediates(x, [1, 3], intermediates_only=True)
+        assert model.prune_intermediate_layers([1, 3], prune_norm=True) == [1, 3]
+        assert len(model.blocks) == 4 and model.num_classes == 0
+        for got, want in zip(model.forward_intermediates(x, [1, 3], intermediates_only=True), expected):
+            torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize('name', ['pervit_tiny', 'vit_tiny'])
+def test_gradient_checkpointing_changes_no_gradient(name):
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, num_classes=5, drop_path_rate=0.0).train()
+    x = torch.randn(2, 3, 64, 64)
+    grads = []
+    for checkpointing in (False, True):
+        model.set_grad_checkpointing(checkpointing)
+        model.zero_grad()
+        model(x).square().mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for plain, checkpointed in zip(*grads):
+        torch.testing.assert_close(checkpointed, plain)
+
+
+def test_timm_optimizer_factory_reads_no_weight_decay_and_groups():
+    """timm's factory: no decay on the ViT's position embedding and class token (and 1-D parameters);
+    layer-wise decay through ``group_matcher``, the embeddings lowest, as for timm's own ViT."""
+    model = timm.create_model('vit_tiny', depth=4, pos_embed=True, peg_after=(1,))
+    optimizer = timm.optim.create_optimizer_v2(model, 'adamw', lr=1e-3, weight_decay=0.05)
+    no_decay = {id(p) for g in optimizer.param_groups if g['weight_decay'] == 0 for p in g['params']}
+    assert id(model.pos_embed) in no_decay and id(model.cls_token) in no_decay
+    assert id(model.blocks[0].attn.qkv.weight) not in no_decay
+    layered = timm.optim.create_optimizer_v2(model, 'adamw', lr=1e-3, weight_decay=0.05, layer_decay=0.5)
+    scale = {id(p): g['lr_scale'] for g in layered.param_groups for p in g['params']}
+    assert scale[id(model.pos_embed)] < scale[id(model.blocks[0].attn.qkv.weight)]
+    assert scale[id(model.blocks[1].attn.qkv.weight)] == scale[id(model.pegs['1'].proj.weight)]
+    assert scale[id(model.blocks[3].attn.qkv.weight)] == scale[id(model.norm.weight)] < scale[id(model.head.weight)] == 1
+    reference = timm.create_model('vit_tiny_patch16_224', depth=4)  # timm's own ViT: the same scales
+    reference_scales = {id(p): g['lr_scale'] for g in timm.optim.create_optimizer_v2(
+        reference, 'adamw', weight_decay=0.05, layer_decay=0.5).param_groups for p in g['params']}
+    assert [scale[id(b.attn.qkv.weight)] for b in model.blocks] == \
+        [reference_scales[id(b.attn.qkv.weight)] for b in reference.blocks]
+    pervit = timm.create_model('pervit_tiny')
+    groups = timm.optim.create_optimizer_v2(pervit, 'adamw', weight_decay=0.05, layer_decay=0.8).param_groups
+    scale = {id(p): g['lr_scale'] for g in groups for p in g['params']}
+    assert scale[id(pervit.stem.proj.weight)] < scale[id(pervit.blocks[0].attn.qkv.weight)] \
+        < scale[id(pervit.blocks[11].attn.qkv.weight)] < scale[id(pervit.head.weight)]
+
+
+@pytest.mark.parametrize('name,options', [('pervit_tiny', {}), ('vit_tiny', dict(phi='peripheral')),
+                                          ('vit_tiny', dict(phi='irpe'))])
+def test_models_pickle_after_use(name, options):
+    """``torch.save(model)`` / pickle, with the eval caches filled."""
+    model = timm.create_model(name, **options).eval()
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        expected = model(x)
+        restored = pickle.loads(pickle.dumps(model))
+        torch.testing.assert_close(restored(x), expected)
+
+
+def test_pretrained_from_a_local_release_checkpoint(tmp_path):
+    """``pretrained=True`` with a file in the PerViT release's layout (as the release saves it, with its
+    argparse arguments); a classifier of another size is left out with a warning, as timm does."""
+    release = ReleasePerViT('tiny')
+    path = tmp_path / 'pervit_tiny.pth'
+    torch.save({'model': release.state_dict(), 'args': argparse.Namespace(model='pervit_tiny')}, path)
+    model = timm.create_model('pervit_tiny', pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+    assert torch.equal(model.distance_embedding.weight, release.state_dict()['rpe_proj.weight'])
+    assert torch.equal(model.head.weight, release.state_dict()['head.weight'])
+    with pytest.warns(UserWarning, match=r'classifier of checkpoint .* \(1000 classes\) is not loaded: the model has 10'):
+        ten = timm.create_model('pervit_tiny', pretrained=True, num_classes=10,
+                                pretrained_cfg_overlay=dict(file=str(path)))
+    assert torch.equal(ten.blocks[3].attn.qkv.weight, model.blocks[3].attn.qkv.weight)
+
+
+def test_pretrained_deit_weights_into_a_phi_model(tmp_path):
+    deit = timm.create_model('deit_tiny_patch16_224')
+    path = tmp_path / 'deit_tiny.pth'
+    torch.save(deit.state_dict(), path)
+    with pytest.warns(UserWarning, match=r'Φp keys are not in it and start from their own initialisation'):
+        model = timm.create_model('vit_tiny', phi='peripheral', pretrained=True,
+                                  pretrained_cfg_overlay=dict(file=str(path)))
+    assert torch.equal(model.blocks[5].mlp.fc1.weight, deit.blocks[5].mlp.fc1.weight)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        timm.create_model('vit_tiny', pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+
+
+def test_a_checkpoint_of_another_model_is_refused(tmp_path):
+    path = tmp_path / 'vit_small.pth'
+    torch.save(timm.create_model('vit_small').state_dict(), path)
+    with pytest.raises(ValueError, match="this is a vit_small checkpoint"):
+        timm.create_model('vit_tiny', pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
