@@ -18,9 +18,9 @@ SHADES = ' .:-=+*#%@'
 
 
 def ascii_map(values: torch.Tensor) -> str:
-    """One character per key, darker for larger values (scaled to the map's own range)."""
-    low, high = values.min(), values.max()
-    levels = ((values - low) / (high - low + 1e-12) * (len(SHADES) - 1)).round().long()
+    """One character per key on the fixed scale of the peripheral Φp, a sigmoid: ' ' for 0 up to
+    '@' for 1 in equal steps. Every map is drawn on that one scale, so a flat map draws flat."""
+    levels = (values.clamp(0, 1) * (len(SHADES) - 1)).round().long()
     return '\n'.join(''.join(SHADES[i] for i in row) for row in levels.tolist())
 
 
@@ -41,7 +41,8 @@ def main() -> None:
         params = sum(p.numel() for p in layer.phi.parameters())
         print(f'{name:<12}{params:>10}{str(tuple(out.shape)):>16}{elapsed:>12.1f}')
 
-    print('\nPerViT peripheral Φp at the release initialisation, query at the grid centre (row 4, col 6):')
+    print('\nPerViT peripheral Φp at the release initialisation, query at the grid centre (row 4, col 6),')
+    print(f'on one scale for every layer: {SHADES!r} from 0 (blocked) to 1 (let through)')
     centre = 4 * 12 + 6
     for layer_index in (0, 6, 11):
         phi = PeripheralPhi(num_heads=4, layer_index=layer_index, num_layers=12)

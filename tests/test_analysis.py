@@ -1,5 +1,6 @@
 """posattn.analysis: PerViT's measures against float64 formulas written here, the maps against the
 layer's own computation, the release initialisation's locality trend, and the figures."""
+import importlib.util
 import itertools
 import math
 
@@ -13,6 +14,7 @@ from posattn import Attention, TokenGrid
 from posattn.analysis import (REGIONS, attention_maps, collect_attention_maps, impact, measure_attention,
                               nonlocality, plot_measures, plot_position_maps, plot_sample_attention,
                               region_radii, region_scores)
+from conftest import REPO
 
 PNG_SIGNATURE = b'\x89PNG\r\n\x1a\n'
 
@@ -147,6 +149,16 @@ def assert_png(path):
     assert path.read_bytes()[:8] == PNG_SIGNATURE and path.stat().st_size > 2000
 
 
+def colorbars(fig):
+    return [ax._colorbar for ax in fig.axes if getattr(ax, '_colorbar', None) is not None]
+
+
+def map_scales(fig):
+    """(vmin, vmax) of every map drawn in ``fig``: 2-D images (the input pictures are RGB), colour bars left out."""
+    return {(im.norm.vmin, im.norm.vmax) for ax in fig.axes if getattr(ax, '_colorbar', None) is None
+            for im in ax.images if im.get_array().ndim == 2}
+
+
 def test_figures_are_written(tmp_path):
     torch.manual_seed(4)
     model = posattn.create_model('pervit_tiny', num_classes=0)
@@ -164,3 +176,60 @@ def test_figures_are_written(tmp_path):
     plain = posattn.create_model('vit_tiny', phi='none', img_size=32, depth=1)
     with pytest.raises(ValueError, match='no layer has a position attention Φp'):
         plot_position_maps(collect_attention_maps(plain, torch.randn(1, 3, 32, 32)), tmp_path / 'x.png')
+
+
+def test_position_maps_share_one_labelled_colour_scale(tmp_path):
+    """Every layer's and head's Φp on one scale from 0 to the largest value shown, with its colour bar."""
+    model = posattn.create_model('pervit_tiny', num_classes=0)
+    maps = collect_attention_maps(model, torch.randn(1, 3, 64, 64))
+    fig = plot_position_maps(maps, tmp_path / 'position.png')
+    query = 2 * 4 + 2  # the centre of the 4 x 4 grid
+    largest = max(m.position[0, :, query].max().item() for m in maps.values())
+    (bar,) = colorbars(fig)
+    assert (bar.norm.vmin, bar.norm.vmax) == (0, pytest.approx(largest))
+    assert 'one scale for every layer and head' in bar.ax.get_ylabel()
+    assert map_scales(fig) == {(bar.norm.vmin, bar.norm.vmax)}
+    heads = maps['blocks.0.attn'].position.shape[1]
+    assert sum(len(ax.images) for ax in fig.axes) == len(maps) * heads
+
+
+def test_sample_maps_share_a_position_and_a_probability_scale(tmp_path):
+    model = posattn.create_model('pervit_tiny', num_classes=0)
+    images = torch.randn(2, 3, 64, 64)
+    maps = collect_attention_maps(model, images)
+    fig = plot_sample_attention(images, maps, tmp_path / 'samples.png')
+    position, probability = colorbars(fig)
+    assert 'every Φp map' in position.ax.get_ylabel() and 'every Φc, Φa map' in probability.ax.get_ylabel()
+    query = 2 * 4 + 2
+    largest = max(torch.stack([m.content, m.mixed])[..., query, :].max().item() for m in maps.values())
+    assert (probability.norm.vmin, probability.norm.vmax) == (0, pytest.approx(largest))
+    assert map_scales(fig) == {(bar.norm.vmin, bar.norm.vmax) for bar in (position, probability)}
+    plain = posattn.create_model('vit_tiny', phi='none', img_size=32, depth=1)
+    images = torch.randn(1, 3, 32, 32)
+    fig = plot_sample_attention(images, collect_attention_maps(plain, images), tmp_path / 'plain.png')
+    (bar,) = colorbars(fig)
+    assert bar.ax.get_ylabel() == 'attention probability (one scale for every Φc, Φa map)'
+
+
+def test_measures_legend_names_every_head(tmp_path):
+    model = posattn.create_model('vit_tiny', phi='peripheral', img_size=32, depth=2, num_classes=0)
+    fig = plot_measures(measure_attention(model, [torch.randn(2, 3, 32, 32)]), tmp_path / 'measures.svg')
+    (legend,) = fig.legends
+    assert [text.get_text() for text in legend.get_texts()] == ['head 0', 'head 1', 'head 2', 'layer mean']
+    assert b'<svg' in (tmp_path / 'measures.svg').read_bytes()[:400]
+
+
+def quickstart():
+    spec = importlib.util.spec_from_file_location('quickstart', REPO / 'examples' / 'quickstart.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quickstart_text_map_draws_on_a_fixed_scale():
+    """A flat Φp draws flat, whatever its level and however small its spread; 0 and 1 are the ends."""
+    ascii_map = quickstart().ascii_map
+    nearly_flat = 0.982 + 1e-4 * torch.rand(9, 12)
+    assert set(ascii_map(nearly_flat).replace('\n', '')) == {'@'}
+    assert set(ascii_map(torch.full((3, 4), 0.5)).replace('\n', '')) == {'='}
+    assert ascii_map(torch.tensor([[0.0, 0.5, 1.0]])) == ' =@'

@@ -1,6 +1,7 @@
 """tools/analyze.py on the embedded config: metrics.json and the three figures, from the initialised
-model and from a release-layout checkpoint."""
+model and from a release-layout checkpoint; the figures' format and resolution."""
 import json
+import struct
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import torch
 
 import posattn
 from posattn import TokenGrid
-from posattn.analysis import nonlocality
+from posattn.analysis import collect_attention_maps, measure_attention, nonlocality
 from release_pervit import ReleasePerViT
 from conftest import REPO as ROOT
 
@@ -53,10 +54,45 @@ def test_analyze_reads_a_release_checkpoint(tmp_path):
     weights['blocks.0.attn.activation.gn2.weight'].fill_(7.0)  # a distinctive Φp in layer 0
     path = tmp_path / 'release.pth'
     torch.save({'model': weights}, path)
-    analyze(str(path), '--out', str(tmp_path))
+    stdout = analyze(str(path), '--out', str(tmp_path), '--format', 'pdf')
     record = json.loads((tmp_path / 'metrics.json').read_text())
     assert record['checkpoint'] == str(path)
+    assert 'position.pdf, samples.pdf, measures.pdf' in stdout and not list(tmp_path.glob('*.png'))
+    for name in ('position.pdf', 'samples.pdf', 'measures.pdf'):
+        assert (tmp_path / name).read_bytes()[:5] == b'%PDF-'
     phi = posattn.create_model('pervit_tiny', checkpoint=path).blocks[0].attn.phi
     with torch.no_grad():
         expected = nonlocality(phi.position_attention(4, 4), TokenGrid(4, 4))
     assert record['layers'][0]['nonlocality_position'] == pytest.approx(expected.tolist(), rel=1e-5)
+
+
+def png_size(path):
+    """(width, height) in pixels, from the PNG's IHDR chunk."""
+    return struct.unpack('>II', path.read_bytes()[16:24])
+
+
+def test_figures_follow_format_and_dpi(tmp_path):
+    from analyze import write_figures
+    model = posattn.create_model('pervit_tiny', num_classes=0)
+    images = torch.randn(2, 3, 64, 64)
+    maps, measures = collect_attention_maps(model, images), measure_attention(model, [images])
+    names = {}
+    for fmt, dpi in (('png', 40), ('png', 80), ('svg', 80)):
+        (tmp_path / f'{fmt}{dpi}').mkdir()
+        names[fmt, dpi] = write_figures(tmp_path / f'{fmt}{dpi}', images, maps, measures, None, fmt, dpi)
+    assert names['svg', 80] == ['position.svg', 'samples.svg', 'measures.svg']
+    for name in names['svg', 80]:
+        head = (tmp_path / 'svg80' / name).read_bytes()[:400]
+        assert head.startswith(b'<?xml') and b'<svg' in head
+    for name in names['png', 80]:
+        small, large = png_size(tmp_path / 'png40' / name), png_size(tmp_path / 'png80' / name)
+        assert large == pytest.approx((2 * small[0], 2 * small[1]), rel=0.03), name  # text bounds round
+
+
+@pytest.mark.parametrize('option,message', [(['--format', 'jpg'], "invalid choice: 'jpg'"),
+                                            (['--dpi', '0'], 'must be a positive integer, got 0')])
+def test_bad_figure_options_are_refused(option, message, capsys):
+    from analyze import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(['configs/pervit_t_shapes.py', *option])
+    assert message in capsys.readouterr().err

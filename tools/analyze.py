@@ -6,6 +6,7 @@ Runs the config's validation images through the model (eval mode, no gradients) 
 ``--out``: ``metrics.json`` (per layer and head: nonlocality Ω of Φp, Φc, Φa; impact Ψp, Ψc;
 peripheral regions; see docs/analysis.md), ``position.png`` (Φp of the centre query, Fig. 4 of
 the paper), ``samples.png`` (Φp, Φc, Φa on a few images, Fig. 6) and ``measures.png`` (Figs. 7, 8).
+``--format pdf`` or ``svg`` writes the figures in that format instead, ``--dpi`` sets their resolution.
 
 The checkpoint may be one that tools/train.py wrote (loaded strictly, as tools/test.py loads it: one
 that does not fit the config's model is an error naming what it holds), or backbone weights in
@@ -25,7 +26,19 @@ from mmengine.utils import ProgressBar
 
 from posattn.analysis import (collect_attention_maps, measure_attention, plot_measures, plot_position_maps,
                               plot_sample_attention)
+from posattn.analysis.figures import DEFAULT_DPI
 from posattn_openmmlab.runner import load_model_weights
+
+
+FIGURE_FORMATS = ('png', 'pdf', 'svg')
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer above 0."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f'must be a positive integer, got {value}')
+    return value
 
 
 def parse_args(argv=None):
@@ -34,9 +47,14 @@ def parse_args(argv=None):
     parser.add_argument('checkpoint', nargs='?', help='checkpoint (default: the initialised model)')
     parser.add_argument('--out', help='output folder (default: work_dirs/<config name>/analysis)')
     parser.add_argument('--num-images', type=int, default=256, help='validation images to average over')
-    parser.add_argument('--show-images', type=int, default=3, help='images in samples.png')
+    parser.add_argument('--show-images', type=int, default=3, help='images in the samples figure')
     parser.add_argument('--query', type=int, nargs=2, metavar=('ROW', 'COL'),
                         help='query position on the token grid for the maps (default: the centre)')
+    parser.add_argument('--format', default='png', choices=FIGURE_FORMATS,
+                        help='file format of the figures (default: png; pdf and svg keep text and lines as vectors)')
+    parser.add_argument('--dpi', type=positive_int, default=DEFAULT_DPI,
+                        help=f'figure resolution in dots per inch (default: {DEFAULT_DPI}, a screen preview; '
+                             'for pdf and svg, of the map images inside)')
     parser.add_argument('--cfg-options', nargs='+', action=DictAction, help='override config entries, key=value')
     return parser.parse_args(argv)
 
@@ -74,6 +92,20 @@ def validation_images(cfg: Config, model, limit: int):
         yield inputs
 
 
+def write_figures(out: Path, images, maps, measures, query, fmt: str, dpi: int):
+    """position, samples and measures figures as ``out/<name>.<fmt>`` (position only where a layer has
+    a Φp with a logits bias); returns the file names written."""
+    figures = []
+    if any(m.position is not None for m in maps.values()):
+        figures.append(f'position.{fmt}')
+        plot_position_maps(maps, out / figures[-1], query=query, dpi=dpi)
+    figures.append(f'samples.{fmt}')
+    plot_sample_attention(images, maps, out / figures[-1], query=query, dpi=dpi)
+    figures.append(f'measures.{fmt}')
+    plot_measures(measures, out / figures[-1], dpi=dpi)
+    return figures
+
+
 def main(argv=None):
     args = parse_args(argv)
     cfg = Config.fromfile(args.config)
@@ -102,13 +134,7 @@ def main(argv=None):
     record = {'config': args.config, 'checkpoint': args.checkpoint, 'num_images': measures[0].num_samples,
               'layers': [m.to_dict() for m in measures]}
     (out / 'metrics.json').write_text(json.dumps(record, indent=1))
-    figures = []
-    if any(m.position is not None for m in maps.values()):
-        plot_position_maps(maps, out / 'position.png', query=query)
-        figures.append('position.png')
-    plot_sample_attention(shown, maps, out / 'samples.png', query=query)
-    plot_measures(measures, out / 'measures.png')
-    figures += ['samples.png', 'measures.png']
+    figures = write_figures(out, shown, maps, measures, query, args.format, args.dpi)
 
     print(f'\nmeans over heads; {measures[0].num_samples} images, grid {measures[0].grid.height}x{measures[0].grid.width}')
     width = max(len(m.name) for m in measures) + 2
