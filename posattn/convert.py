@@ -37,20 +37,20 @@ PerViT release (github.com/juhongm999/pervit), 294 entries per model, renamed on
     conv_layers.conv_layers.{i}.0.*          -> stem.layers.{i}.conv.*
     conv_layers.conv_layers.{i}.1.*          -> stem.layers.{i}.norm.*   (BatchNorm, buffers included)
     conv_layers.conv1x1.*                    -> stem.proj.*
-    rpe_proj.{weight,bias}                   -> distance_embedding.{weight,bias}
+    rpe_proj.weight                          -> distance_embedding.weight   (rpe_proj.bias dropped, below)
     blocks.{i}.conv.proj.*                   -> blocks.{i}.cpe.proj.*
     blocks.{i}.res_path.*                    -> blocks.{i}.res.*
     blocks.{i}.attn.to_qkv.weight            -> blocks.{i}.attn.qkv.weight
-    blocks.{i}.attn.activation.conv{1,2}.w/b -> blocks.{i}.attn.phi.proj{1,2}_{weight,bias}
+    blocks.{i}.attn.activation.conv{1,2}.w   -> blocks.{i}.attn.phi.proj{1,2}_weight   (the biases dropped)
     blocks.{i}.attn.activation.gn{1,2}.w/b   -> blocks.{i}.attn.phi.norm{1,2}_{weight,bias}
     everything else (norm1/2, attn.proj, mlp, norm, head) keeps its name.
 
 No tensor is reshaped: the release splits qkv as (three, heads, head_dim) like timm, and its
 Φp convolutions have the shapes :class:`~posattn.phi.peripheral.PeripheralPhi` keeps. The
-release's dead parameters are carried, not dropped: ``rpe_proj.bias`` and the ``conv1`` /
-``conv2`` biases add constants that the following instance norm removes, so they change no
-output, but posattn keeps them as parameters so that release checkpoints load with
-``strict=True`` and parameter counts equal the paper's.
+release's dead parameters are dropped: ``rpe_proj.bias`` and the ``conv1`` / ``conv2`` biases add
+constants that the following instance norm removes, so they change no output and no gradient
+could train them; posattn has no such parameters (:func:`without_cancelled_biases`, which also
+reads checkpoints that posattn saved when it still had them).
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ import torch
 
 __all__ = ['read_checkpoint', 'allow_checkpoint_globals', 'pervit_from_release', 'is_pervit_release',
            'is_mmengine_checkpoint', 'mmengine_to_posattn', 'is_mmpretrain_vit', 'mmpretrain_vit_to_posattn',
-           'to_posattn_layout', 'unwrap_state_dict']
+           'to_posattn_layout', 'unwrap_state_dict', 'without_cancelled_biases']
 
 # DeiT-style training checkpoints (the PerViT release's among them) keep their argparse arguments
 # beside the weights: a plain attribute bag, safe to allow.
@@ -148,6 +148,18 @@ def _renamed(state_dict: Mapping[str, Any], renames: Sequence[Tuple[str, str]]) 
     return converted
 
 
+# The biases of the peripheral Φp's distance embedding, PP1 and PP2, in posattn's names: each adds
+# a constant that the instance norm after it removes.
+_CANCELLED_BIAS = re.compile(r'(^|\.)distance_embedding\.bias$|(^|\.)phi\.proj[12]_bias$')
+
+
+def without_cancelled_biases(state_dict: Mapping[str, Any]) -> StateDict:
+    """``state_dict`` (posattn's names, under any prefix) without the peripheral Φp's biases that an
+    instance norm removes (the release's, and those of checkpoints posattn saved before it dropped
+    them): leaving them out changes no output."""
+    return {k: v for k, v in state_dict.items() if not _CANCELLED_BIAS.search(k)}
+
+
 def is_pervit_release(state_dict: Mapping[str, Any]) -> bool:
     """Whether ``state_dict`` is laid out as the PerViT release's (its shared ``rpe_proj``)."""
     return 'rpe_proj.weight' in state_dict
@@ -161,7 +173,7 @@ def pervit_from_release(checkpoint: Mapping[str, Any]) -> StateDict:
     if not is_pervit_release(state_dict):
         raise ValueError("not a PerViT release checkpoint: it has no 'rpe_proj.weight' "
                          '(the distance embedding every release model has)')
-    return _renamed(state_dict, _PERVIT_RELEASE_RENAMES)
+    return without_cancelled_biases(_renamed(state_dict, _PERVIT_RELEASE_RENAMES))
 
 
 _MMENGINE_BACKBONE = 'backbone.model.'
@@ -226,10 +238,10 @@ def to_posattn_layout(checkpoint: Mapping[str, Any]) -> Tuple[StateDict, str]:
     """(state_dict in posattn's layout, the layout it was found in: 'PerViT release', 'mmengine',
     'mmpretrain ViT' or 'posattn', which is timm's for ViT / DeiT)."""
     if is_mmengine_checkpoint(checkpoint):
-        return mmengine_to_posattn(checkpoint), 'mmengine'
+        return without_cancelled_biases(mmengine_to_posattn(checkpoint)), 'mmengine'
     state_dict = unwrap_state_dict(checkpoint)
     if is_pervit_release(state_dict):
         return pervit_from_release(state_dict), 'PerViT release'
     if is_mmpretrain_vit(state_dict):
         return mmpretrain_vit_to_posattn(state_dict), 'mmpretrain ViT'
-    return state_dict, 'posattn'
+    return without_cancelled_biases(state_dict), 'posattn'

@@ -42,11 +42,9 @@ def weights_recipe():
     return recipe
 
 
-# (scale, shift) of the random peripheral Φp parameters, in PeripheralPhi.weights() order: w, its
-# bias, PP1, its bias, IN1 weight and bias, PP2, its bias, IN2 weight and bias. The dead biases are
-# random too: they must not matter.
-_PERIPHERAL_RANDOM = ((0.5, 0.0), (0.5, 0.0), (1 / 12, 0.0), (0.1, 0.0), (0.1, 1.0), (0.1, 0.0),
-                      (1 / 12, 0.0), (0.1, 0.0), (0.5, 1.0), (1.5, 0.0))
+# (scale, shift) of the random peripheral Φp parameters, in PeripheralPhi.weights() order: w, PP1,
+# IN1 weight and bias, PP2, IN2 weight and bias.
+_PERIPHERAL_RANDOM = ((0.5, 0.0), (1 / 12, 0.0), (0.1, 1.0), (0.1, 0.0), (1 / 12, 0.0), (0.5, 1.0), (1.5, 0.0))
 
 
 def randomise_peripheral(phi, seed):

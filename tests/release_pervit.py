@@ -99,8 +99,8 @@ class ReleasePerViT(nn.Module):
     def phi_p(self, block, height, width):
         a = block.attn.activation
         return peripheral_position_attention(height, width, PeripheralWeights(  # (heads, HW, HW)
-            self.rpe_proj.weight, self.rpe_proj.bias, a.conv1.weight, a.conv1.bias, a.gn1.weight, a.gn1.bias,
-            a.conv2.weight, a.conv2.bias, a.gn2.weight, a.gn2.bias))
+            self.rpe_proj.weight, a.conv1.weight, a.gn1.weight, a.gn1.bias, a.conv2.weight, a.gn2.weight,
+            a.gn2.bias, distance_bias=self.rpe_proj.bias, proj1_bias=a.conv1.bias, proj2_bias=a.conv2.bias))
 
     @torch.no_grad()
     def forward(self, images):

@@ -103,7 +103,7 @@ def test_dtype_moves_are_seen():
     out64 = assert_fresh(layer, x.double())
     assert out64.dtype == torch.float64
     with torch.no_grad():
-        layer.phi.proj2_bias.add_(0.5)
+        layer.phi.norm2_bias.add_(0.5)
     layer.float()
     assert_fresh(layer, x)
 

@@ -98,12 +98,16 @@ def test_matches_release_reference(size, seed, image_size):
 
 @pytest.mark.parametrize('size', sorted(LAYOUTS))
 def test_converter_renames_every_tensor_one_to_one(size):
+    """Every tensor of the release but its 25 cancelled biases (rpe_proj's, conv1's and conv2's)."""
     weights = release_weights(size, seed=1)
     converted = pervit_from_release({'model': weights, 'epoch': 299})
     expected = posattn.create_model(f'pervit_{size}').state_dict()
-    assert list(converted) != list(weights) and len(converted) == len(weights) == len(expected)
+    cancelled = [k for k in weights if k == 'rpe_proj.bias' or k.endswith(('activation.conv1.bias', 'activation.conv2.bias'))]
+    assert list(converted) != list(weights) and len(converted) == len(weights) - 25 == len(expected)
+    assert len(cancelled) == 25
     assert {k: v.shape for k, v in converted.items()} == {k: v.shape for k, v in expected.items()}
-    assert {id(v) for v in converted.values()} == {id(v) for v in weights.values()}  # no copies
+    kept = {id(v) for k, v in weights.items() if k not in cancelled}
+    assert {id(v) for v in converted.values()} == kept  # no copies
     assert pervit_from_release(weights).keys() == converted.keys()
 
 
@@ -117,10 +121,17 @@ def test_converter_refuses_other_layouts():
     assert to_posattn_layout({'model': state_dict})[1] == 'posattn'
 
 
-def test_dead_release_parameters_are_carried_and_change_nothing():
+def test_dead_release_parameters_are_dropped_and_change_nothing():
+    """The release's biases that an instance norm removes are dropped at conversion, and so are those of
+    checkpoints posattn saved while it still had them: the model loads strictly, any of their values
+    gives the same outputs (the release's computation with them: test_peripheral.py)."""
     weights = release_weights('tiny', seed=2)
     model = posattn.create_model('pervit_tiny').eval()
     model.load_state_dict(pervit_from_release(weights))
+    old_posattn = {**model.state_dict(), 'distance_embedding.bias': torch.ones(16),
+                   **{f'blocks.{i}.attn.phi.proj{j}_bias': torch.ones(16 if j == 1 else 4) for i in range(12) for j in (1, 2)}}
+    converted, layout = to_posattn_layout(old_posattn)
+    assert layout == 'posattn' and list(converted) == list(model.state_dict())
     images = torch.randn(1, 3, 64, 80)
     with torch.no_grad():
         before = model(images)
@@ -151,7 +162,7 @@ def test_checkpoint_of_another_model_names_it(tmp_path):
     message = str(error.value)
     assert message.startswith(f'checkpoint {path} (PerViT release layout) does not fit pervit_tiny:')
     assert "this is a pervit_small checkpoint: create_model('pervit_small', checkpoint=...)" in message
-    assert 'wrong shapes (289): stem.layers.0.conv.weight: checkpoint (64, 3, 3, 3), model (48, 3, 3, 3)' in message
+    assert 'wrong shapes (264): stem.layers.0.conv.weight: checkpoint (64, 3, 3, 3), model (48, 3, 3, 3)' in message
 
 
 def test_checkpoint_mismatch_lists_missing_unexpected_and_classifier(tmp_path):

@@ -37,23 +37,29 @@ def test_gradients_equal_straightforward_release_computation():
     phi = make_phi(num_heads=2, seed=3)
     upstream = torch.rand(2, 20, 20, dtype=torch.float64)
     (phi.position_attention(4, 5) * upstream).sum().backward()
-    leaves = [w.detach().clone().requires_grad_() for w in phi.weights()]
+    params = [w for w in phi.weights() if w is not None]  # the optional release biases are None
+    leaves = [w.detach().clone().requires_grad_() for w in params]
     (peripheral_position_attention(4, 5, PeripheralWeights(*leaves)) * upstream).sum().backward()
     names = {id(p): n for n, p in phi.named_parameters()}
-    for param, leaf in zip(phi.weights(), leaves):
+    assert len(params) == len(names) == 7
+    for param, leaf in zip(params, leaves):
         torch.testing.assert_close(param.grad, leaf.grad, rtol=1e-8, atol=1e-10, msg=names[id(param)])
-    for dead in (phi.distance_embedding.bias, phi.proj1_bias, phi.proj2_bias):  # removed by the next norm
-        assert dead.grad.abs().max() < 1e-10, names[id(dead)]
 
 
 def test_biases_removed_by_instance_norms_change_nothing():
+    """Why the Φp has no biases for w, PP1 and PP2: in the release's computation (the reference),
+    large ones give the same Φp as none, and the Φp without them is the release's."""
     phi = make_phi(num_heads=2, seed=9)
+    weights = phi.weights()
+    generator = torch.Generator().manual_seed(4)
+    biases = {name: torch.randn(size, generator=generator, dtype=torch.float64) * 3 for name, size in
+              (('distance_bias', 8), ('proj1_bias', 8), ('proj2_bias', 2))}
     with torch.no_grad():
-        before = phi.position_attention(5, 6)
-        for param in (phi.distance_embedding.bias, phi.proj1_bias, phi.proj2_bias):
-            param.add_(torch.randn_like(param) * 3)
-        after = phi.position_attention(5, 6)
-    torch.testing.assert_close(after, before, rtol=0, atol=1e-12)
+        without = peripheral_position_attention(5, 6, weights)
+        with_biases = peripheral_position_attention(5, 6, weights._replace(**biases))
+        torch.testing.assert_close(with_biases, without, rtol=0, atol=1e-12)
+        torch.testing.assert_close(phi.position_attention(5, 6), without, rtol=0, atol=1e-10)
+    assert not {'proj1_bias', 'proj2_bias', 'distance_embedding.bias'} & set(phi.state_dict())
 
 
 def test_chunked_recomputation_matches_one_pass(monkeypatch):
@@ -84,7 +90,7 @@ def test_fixture_all_layers_of_pervit_tiny():
     fixture = load_fixture('pervit_tiny_release_seed7.pt')
     state = pervit_from_release(weights_recipe().release_state_dict(fixture['spec'], fixture['seed']))
     shared = DistanceEmbedding(16)
-    shared.load_state_dict({'weight': state['distance_embedding.weight'], 'bias': state['distance_embedding.bias']})
+    shared.load_state_dict({'weight': state['distance_embedding.weight']})
     worst = 0.0
     for layer in range(12):
         phi = PeripheralPhi(4, layer_index=layer, num_layers=12, distance_embedding=shared)
@@ -107,7 +113,6 @@ def test_release_initialisation():
     assert torch.all(phi.norm2_bias == torch.tensor(s, dtype=torch.float32))
     assert torch.all(phi.norm2_weight == torch.tensor(v, dtype=torch.float32))
     assert torch.all(phi.distance_embedding.weight == -0.02)
-    assert all(torch.all(b == 0) for b in (phi.distance_embedding.bias, phi.proj1_bias, phi.proj2_bias))
     assert torch.all(phi.proj1_weight == 0.02) and torch.all(phi.proj2_weight == 0.02)
     with pytest.raises(ValueError, match='layer_index 12 is outside 0..11'):
         peripheral_init(12, 12)

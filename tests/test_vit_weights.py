@@ -157,12 +157,12 @@ def test_a_missing_unexpected_or_mis_shaped_non_phi_key_is_an_error(tmp_path, ti
 
 def test_weights_of_another_or_part_of_a_phi_are_not_a_plain_vit(tmp_path):
     irpe = posattn.create_model('vit_tiny', phi='irpe').state_dict()
-    with pytest.raises(ValueError, match=r'missing keys \(120\): blocks.0.attn.phi.proj1_weight;.*\n'
+    with pytest.raises(ValueError, match=r'missing keys \(84\): blocks.0.attn.phi.proj1_weight;.*\n'
                                          r'  unexpected keys \(12\): blocks.0.attn.phi.rpe_k.lookup_table_weight'):
         posattn.create_model('vit_tiny', phi='peripheral', checkpoint=saved(tmp_path, irpe))
     peripheral = posattn.create_model('vit_tiny', phi='peripheral').state_dict()
     part = {k: v for k, v in peripheral.items() if not k.startswith('blocks.5.attn.phi.')}
-    with pytest.raises(ValueError, match=r'missing keys \(10\): blocks.5.attn.phi.proj1_weight'):
+    with pytest.raises(ValueError, match=r'missing keys \(7\): blocks.5.attn.phi.proj1_weight'):
         posattn.create_model('vit_tiny', phi='peripheral', checkpoint=saved(tmp_path, part))
 
 
@@ -199,13 +199,14 @@ def test_posattn_vit_pretrained_init_starts_the_phi_fresh(checkpoints, monkeypat
         assert torch.equal(value, own_init[key] if '.attn.phi.' in key else source_weights[key]), key
     layout = 'mmpretrain ViT' if source == 'mmpretrain' else 'posattn'
     assert logged == [
-        f'PosattnViT from checkpoint {path} ({layout} layout): 120 Φp keys are not in it and start from their own '
-        f'initialisation: blocks.{{0..11}}.attn.phi.{{proj1_weight, proj1_bias, norm1_weight, norm1_bias, '
-        f'proj2_weight, proj2_bias, norm2_weight, norm2_bias, distance_embedding.weight, distance_embedding.bias}}',
+        f'PosattnViT from checkpoint {path} ({layout} layout): 84 Φp keys are not in it and start from their own '
+        f'initialisation: blocks.{{0..11}}.attn.phi.{{proj1_weight, norm1_weight, norm1_bias, proj2_weight, '
+        f'norm2_weight, norm2_bias, distance_embedding.weight}}',
         f'PosattnViT: loaded every other backbone weight from {path} ({layout} layout); not loaded, the '
         f'classifier: head.bias, head.weight']
-    with pytest.raises(ValueError, match=r"got \['prefix'\] too; the layout is recognised from the keys"):
-        PosattnViT(init_cfg=dict(type='Pretrained', checkpoint=str(path), prefix='backbone.')).init_weights()
+    with pytest.raises(ValueError, match=r"reads only checkpoint, prefix, map_location and strict from a "
+                                         r"Pretrained init_cfg; got \['revise_keys'\] too"):
+        PosattnViT(init_cfg=dict(type='Pretrained', checkpoint=str(path), revise_keys=[])).init_weights()
 
 
 def test_docs_examples_run_and_show_the_report(tmp_path, monkeypatch, timm_deit):

@@ -43,7 +43,7 @@ from mmengine.registry import RUNNERS
 from mmengine.runner import CheckpointLoader, Runner
 from mmengine.runner.checkpoint import find_latest_checkpoint
 
-from posattn.convert import is_mmengine_checkpoint, mmengine_to_posattn, to_posattn_layout
+from posattn.convert import is_mmengine_checkpoint, mmengine_to_posattn, to_posattn_layout, without_cancelled_biases
 from posattn.models.registry import fitting_model, load_weights, state_dict_mismatch
 
 from .random_state import RandomStateHook
@@ -104,6 +104,7 @@ def load_model_weights(model: torch.nn.Module, checkpoint: Any, *, source: str, 
         raise ValueError(f'checkpoint {source} holds a {type(state_dict).__name__}, not a state_dict')
     for pattern, replacement in revise_keys:
         state_dict = {re.sub(pattern, replacement, key): value for key, value in state_dict.items()}
+    state_dict = without_cancelled_biases(state_dict)  # those of checkpoints from before they were dropped
     if partial:
         missing, _, wrong = state_dict_mismatch(model, state_dict)
         if len(missing) + len(wrong) == len(model.state_dict()):

@@ -16,8 +16,9 @@ Exact shortcuts, none of which changes the result (``posattn.reference`` compute
   PP1 is a 1-channel 3x3 conv with kernel sum_r w_r W1[:, r];
 - the distances depend only on the offset k - q, so PP1 runs once on an offset canvas of
   (2H+3) x (2W+3) distances and each query reads its (H+2) x (W+2) window of the result;
-- the biases of w, PP1 and PP2 add constants that the next instance norm removes; they are
-  kept (release layout and parameter count) and cancel exactly in float64.
+- the biases of w, PP1 and PP2 add constants that the next instance norm removes, so they are
+  not parameters here (no gradient could train them); a release checkpoint's are dropped when
+  it is converted (:mod:`posattn.convert`), and ``posattn.reference`` still takes them.
 Feeding ``logsigmoid(z)`` to a softmax instead of multiplying by ``sigmoid(z)`` also keeps a
 sharp Φp (z around -60) exact where the release's L1 normalisation loses the row.
 """
@@ -128,7 +129,7 @@ def _row_chunks(height: int, width: int, hidden: int) -> List[slice]:
     return [slice(a, min(a + step, height)) for a in range(0, height, step)]
 
 
-def _chunk_forward(canvas, scale, shift, proj2, proj2_bias, norm2_weight, norm2_bias, rows):
+def _chunk_forward(canvas, scale, shift, proj2, norm2_weight, norm2_bias, rows):
     """Window rows ``rows``: (ReLU(IN1) activations, IN2-normalised maps, IN2 1/std, log Φp).
 
     PP2 is one GEMM, (9 * heads, hidden) @ (hidden, positions), then 9 shifted adds.
@@ -145,7 +146,7 @@ def _chunk_forward(canvas, scale, shift, proj2, proj2_bias, norm2_weight, norm2_
     for offset in range(1, KERNEL_SIZE ** 2):
         u, v = divmod(offset, KERNEL_SIZE)
         maps += products[offset, :, :, u:u + height, v:v + width]
-    maps = maps.view(-1, queries, height * width).add_(proj2_bias[:, None, None])
+    maps = maps.view(-1, queries, height * width)
     centered = maps - maps.mean(-1, keepdim=True)
     inv_std = torch.rsqrt(centered.square().mean(-1, keepdim=True) + NORM_EPS)
     normed = centered.mul_(inv_std)
@@ -193,30 +194,28 @@ class _LogPeripheralAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, canvas, scale, shift, proj2, proj2_bias, norm2_weight, norm2_bias):
+    def forward(ctx, canvas, scale, shift, proj2, norm2_weight, norm2_bias):
         hidden_dim, height, width = scale.shape
         tokens = height * width
         chunks = _row_chunks(height, width, hidden_dim)
         log_phi = canvas.new_empty(norm2_weight.shape[0], tokens, tokens)
         for rows in chunks:
-            activations = _chunk_forward(canvas, scale, shift, proj2, proj2_bias, norm2_weight,
-                                         norm2_bias, rows)
+            activations = _chunk_forward(canvas, scale, shift, proj2, norm2_weight, norm2_bias, rows)
             log_phi[:, _query_span(rows, height, width)] = activations[-1].flip(1)
-        ctx.save_for_backward(canvas, scale, shift, proj2, proj2_bias, norm2_weight, norm2_bias)
+        ctx.save_for_backward(canvas, scale, shift, proj2, norm2_weight, norm2_bias)
         ctx.activations = activations if len(chunks) == 1 else None
         return log_phi
 
     @staticmethod
     def backward(ctx, grad):
-        canvas, scale, shift, proj2, proj2_bias, norm2_weight, norm2_bias = ctx.saved_tensors
+        canvas, scale, shift, proj2, norm2_weight, norm2_bias = ctx.saved_tensors
         hidden_dim, height, width = scale.shape
         grad_canvas, grad_scale, grad_shift, grad_proj2 = map(torch.zeros_like, (canvas, scale, shift, proj2))
-        grad_proj2_bias, grad_norm2_weight, grad_norm2_bias = map(
-            torch.zeros_like, (proj2_bias, norm2_weight, norm2_bias))
+        grad_norm2_weight, grad_norm2_bias = map(torch.zeros_like, (norm2_weight, norm2_bias))
         windows = _windows(canvas, height, width)
         for rows in _row_chunks(height, width, hidden_dim):
             hidden, normed, inv_std, log_phi = ctx.activations or _chunk_forward(
-                canvas, scale, shift, proj2, proj2_bias, norm2_weight, norm2_bias, rows)
+                canvas, scale, shift, proj2, norm2_weight, norm2_bias, rows)
             queries = hidden.shape[1] * width
             grad_logits = grad[:, _query_span(rows, height, width)].flip(1) * torch.expm1(log_phi).neg_()
             grad_norm2_weight += (grad_logits * normed).sum((1, 2))
@@ -224,7 +223,6 @@ class _LogPeripheralAttention(torch.autograd.Function):
             grad_normed = grad_logits.mul_(norm2_weight[:, None, None])
             grad_maps = (grad_normed - grad_normed.mean(-1, keepdim=True)
                          - normed * (grad_normed * normed).mean(-1, keepdim=True)).mul_(inv_std)
-            grad_proj2_bias += grad_maps.sum((1, 2))
             grad_products = _flipped_products_grad(grad_maps.view(-1, queries, height, width))
             flat_hidden = hidden.view(hidden_dim, -1)
             grad_proj2 += _flip_offsets(grad_products @ flat_hidden.t())
@@ -237,23 +235,24 @@ class _LogPeripheralAttention(torch.autograd.Function):
             covered = slice(rows.start, rows.stop + height + 1)
             grad_canvas[:, covered] += _windows_adjoint(grad_windows, canvas[:, covered].shape)
         ctx.activations = None
-        return (grad_canvas, grad_scale, grad_shift, grad_proj2, grad_proj2_bias, grad_norm2_weight,
-                grad_norm2_bias)
+        return grad_canvas, grad_scale, grad_shift, grad_proj2, grad_norm2_weight, grad_norm2_bias
 
 
 class PeripheralWeights(NamedTuple):
     """The parameters of one peripheral Φp, C = 4 * heads channels: the distance embedding w, the
-    first projection PP1 and norm IN1, the second projection PP2 and norm IN2."""
+    first projection PP1 and norm IN1, the second projection PP2 and norm IN2. The biases of w,
+    PP1 and PP2 (the release has them) are optional: the norm after each removes them, and
+    :func:`peripheral_log_attention` leaves them out."""
     distance_weight: torch.Tensor  # (C, 1)
-    distance_bias: torch.Tensor  # (C,)
     proj1_weight: torch.Tensor  # (C, C, 3, 3)
-    proj1_bias: torch.Tensor  # (C,)
     norm1_weight: torch.Tensor  # (C,)
     norm1_bias: torch.Tensor  # (C,)
     proj2_weight: torch.Tensor  # (heads, C, 3, 3)
-    proj2_bias: torch.Tensor  # (heads,)
     norm2_weight: torch.Tensor  # (heads,) v: strength
     norm2_bias: torch.Tensor  # (heads,) s: size
+    distance_bias: Optional[torch.Tensor] = None  # (C,)
+    proj1_bias: Optional[torch.Tensor] = None  # (C,)
+    proj2_bias: Optional[torch.Tensor] = None  # (heads,)
 
 
 def peripheral_log_attention(height: int, width: int, weights: PeripheralWeights) -> torch.Tensor:
@@ -262,38 +261,36 @@ def peripheral_log_attention(height: int, width: int, weights: PeripheralWeights
     PP1 runs once on the offset canvas, and IN1's window statistics come from the grid's cached
     moments (:func:`_grid_moments`), all in float64: Φp is ill-conditioned, and one-pass fp32
     statistics lose it. The canvas is centred per channel before it is cast, which IN1 cannot
-    see but keeps the fp32 windows free of any large offset (the release's biases included).
+    see but keeps the fp32 windows free of any large offset. The optional biases of ``weights``
+    are not read: IN1 and IN2 remove them exactly.
     """
     w = weights
     dtype = w.proj1_weight.dtype
     shifted, means, covariances = _grid_moments(height, width, w.proj1_weight.device)
     proj1 = w.proj1_weight.double()
     kernel = torch.einsum('orhw,r->ohw', proj1, w.distance_weight.double()[:, 0]).flatten(1)
-    offset = torch.einsum('orhw,r->o', proj1, w.distance_bias.double()) + w.proj1_bias.double()
-    canvas = torch.einsum('os,sxy->oxy', kernel, shifted) + offset[:, None, None]  # PP1: (hidden, 2H+1, 2W+1)
+    canvas = torch.einsum('os,sxy->oxy', kernel, shifted)  # PP1: (hidden, 2H+1, 2W+1)
     centre = canvas.mean((1, 2), keepdim=True)
-    mean = torch.einsum('os,shw->ohw', kernel, means) + offset[:, None, None]  # (hidden, H, W) by window start
+    mean = torch.einsum('os,shw->ohw', kernel, means)  # (hidden, H, W) by window start
     var = torch.einsum('os,sthw,ot->ohw', kernel, covariances, kernel)
     scale = w.norm1_weight.double()[:, None, None] * torch.rsqrt(var + NORM_EPS)
     shift = w.norm1_bias.double()[:, None, None] - scale * (mean - centre)
     proj2 = w.proj2_weight.permute(2, 3, 0, 1).reshape(-1, w.proj2_weight.shape[1])  # (9 * heads, hidden)
     return _LogPeripheralAttention.apply((canvas - centre).to(dtype), scale.to(dtype), shift.to(dtype),
-                                         proj2, w.proj2_bias, w.norm2_weight, w.norm2_bias)
+                                         proj2, w.norm2_weight, w.norm2_bias)
 
 
 class DistanceEmbedding(nn.Module):
-    """Multi-scale distance embedding R[q, k, r] = w_r * ||c_k - c_q|| + b_r (PerViT Eq. 6, 'Euc').
+    """Multi-scale distance embedding R[q, k, r] = w_r * ||c_k - c_q|| (PerViT Eq. 6, 'Euc').
 
-    The release's ``nn.Linear(1, 4 * heads)``, one for the whole model, with the same parameter
-    shapes: weight (num_scales, 1) initialised to -0.02, bias (num_scales,) to 0. The bias adds a
-    constant that the first instance norm removes; it is kept so release checkpoints load as
-    they are and parameter counts match the paper.
+    The weight of the release's ``nn.Linear(1, 4 * heads)``, one for the whole model: (num_scales,
+    1), initialised to -0.02. The release's bias b_r adds a constant that the first instance norm
+    removes, so it is no parameter here (converting a release checkpoint drops it).
     """
 
     def __init__(self, num_scales: int):
         super().__init__()
         self.weight = nn.Parameter(torch.full((num_scales, 1), -0.02))
-        self.bias = nn.Parameter(torch.zeros(num_scales))
 
 
 @register_phi('peripheral')
@@ -331,14 +328,11 @@ class PeripheralPhi(PositionalModule):
         self.num_heads = num_heads
         size, strength = peripheral_init(layer_index, num_layers)
         k = KERNEL_SIZE
-        # PP1 / PP2 biases add constants the next instance norm removes: kept, like the
-        # distance embedding's, so the layout is the release's (see DistanceEmbedding).
+        # No PP1 / PP2 biases: each adds a constant that the next instance norm removes.
         self.proj1_weight = nn.Parameter(torch.full((channels, channels, k, k), 0.02))
-        self.proj1_bias = nn.Parameter(torch.zeros(channels))
         self.norm1_weight = nn.Parameter(torch.ones(channels))
         self.norm1_bias = nn.Parameter(torch.zeros(channels))
         self.proj2_weight = nn.Parameter(torch.full((num_heads, channels, k, k), 0.02))
-        self.proj2_bias = nn.Parameter(torch.zeros(num_heads))
         self.norm2_weight = nn.Parameter(torch.full((num_heads,), strength))  # v_l: strength
         self.norm2_bias = nn.Parameter(torch.full((num_heads,), size))  # s_l: size
         self._cache = ParameterValueCache(_CACHE_ENTRIES)
@@ -346,9 +340,8 @@ class PeripheralPhi(PositionalModule):
     def weights(self) -> PeripheralWeights:
         """The parameters, as :func:`peripheral_log_attention` and
         :func:`posattn.reference.peripheral_position_attention` take them."""
-        return PeripheralWeights(self.distance_embedding.weight, self.distance_embedding.bias, self.proj1_weight,
-                                 self.proj1_bias, self.norm1_weight, self.norm1_bias, self.proj2_weight,
-                                 self.proj2_bias, self.norm2_weight, self.norm2_bias)
+        return PeripheralWeights(self.distance_embedding.weight, self.proj1_weight, self.norm1_weight,
+                                 self.norm1_bias, self.proj2_weight, self.norm2_weight, self.norm2_bias)
 
     def log_position_attention(self, height: int, width: int) -> torch.Tensor:
         """log Φp for an H x W grid: (heads, H*W, H*W) in the parameters' dtype, [head, query, key]."""
@@ -364,7 +357,7 @@ class PeripheralPhi(PositionalModule):
         return bias.to(dtype).unsqueeze(0)  # (1, heads, N, N)
 
     def logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
-        weights = self.weights()
+        weights = [w for w in self.weights() if w is not None]  # the parameters, the shared embedding's too
         if self.training or (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
             return self._bias(grid, q.dtype)
         return self._cache.get((grid, q.dtype, q.device), weights, lambda: self._bias(grid, q.dtype))
