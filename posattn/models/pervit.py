@@ -314,19 +314,19 @@ class PerViT(nn.Module):
 
 @register_model('pervit_tiny')
 def pervit_tiny(**kwargs: Any) -> PerViT:
-    """PerViT-T: 4 heads, widths 128-192-224-280; 7,591,000 parameters, 1.6 GMAC; 78.8% top-1."""
+    """PerViT-T: 4 heads, widths 128-192-224-280; 7,590,744 parameters, 1.6 GMAC; 78.8% top-1."""
     return create_from_arch(PerViT, PERVIT_ARCHS, 'pervit_tiny', 'tiny', **kwargs)
 
 
 @register_model('pervit_small')
 def pervit_small(**kwargs: Any) -> PerViT:
-    """PerViT-S: 8 heads, widths 272-320-368-464; 21,317,672 parameters, 4.4 GMAC; 82.1% top-1
+    """PerViT-S: 8 heads, widths 272-320-368-464; 21,317,160 parameters, 4.4 GMAC; 82.1% top-1
     (trained with drop_path_rate=0.1)."""
     return create_from_arch(PerViT, PERVIT_ARCHS, 'pervit_small', 'small', **kwargs)
 
 
 @register_model('pervit_medium')
 def pervit_medium(**kwargs: Any) -> PerViT:
-    """PerViT-M: 12 heads, widths 312-468-540-684; 43,723,936 parameters, 9.0 GMAC; 82.9% top-1
+    """PerViT-M: 12 heads, widths 312-468-540-684; 43,723,168 parameters, 9.0 GMAC; 82.9% top-1
     (trained with drop_path_rate=0.2)."""
     return create_from_arch(PerViT, PERVIT_ARCHS, 'pervit_medium', 'medium', **kwargs)
