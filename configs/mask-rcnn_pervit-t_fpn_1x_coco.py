@@ -23,6 +23,7 @@ param_scheduler = [
 # AdamW without weight decay on norms, biases and other 1-D parameters (PerViT's classification recipe).
 optim_wrapper = dict(
     optimizer=dict(_delete_=True, type='AdamW', lr=1e-4, betas=(0.9, 0.999), weight_decay=0.05),
+    constructor='ParamwiseSummaryOptimWrapperConstructor',  # paramwise_cfg summarised in the log
     paramwise_cfg=dict(norm_decay_mult=0.0, bias_decay_mult=0.0, flat_decay_mult=0.0),
 )
 auto_scale_lr = dict(base_batch_size=16)

@@ -29,6 +29,7 @@ optim_wrapper = dict(
     _delete_=True,
     type='OptimWrapper',
     optimizer=dict(type='AdamW', lr=6e-5, betas=(0.9, 0.999), weight_decay=0.01),
+    constructor='ParamwiseSummaryOptimWrapperConstructor',  # paramwise_cfg summarised in the log
     paramwise_cfg=dict(norm_decay_mult=0.0, bias_decay_mult=0.0, flat_decay_mult=0.0),
 )
 param_scheduler = [

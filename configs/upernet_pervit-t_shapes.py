@@ -56,6 +56,7 @@ test_cfg = dict(type='TestLoop')
 optim_wrapper = dict(
     type='OptimWrapper',
     optimizer=dict(type='AdamW', lr=5e-4, betas=(0.9, 0.999), weight_decay=0.05),
+    constructor='ParamwiseSummaryOptimWrapperConstructor',  # paramwise_cfg summarised in the log
     paramwise_cfg=dict(norm_decay_mult=0.0, bias_decay_mult=0.0, flat_decay_mult=0.0),
 )
 param_scheduler = [

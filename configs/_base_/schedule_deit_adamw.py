@@ -4,6 +4,7 @@
 warmup_epochs = 5
 optim_wrapper = dict(
     optimizer=dict(type='AdamW', lr=5e-4 * 1024 / 512, weight_decay=0.05, eps=1e-8, betas=(0.9, 0.999)),
+    constructor='ParamwiseSummaryOptimWrapperConstructor',  # paramwise_cfg summarised in the log
     paramwise_cfg=dict(norm_decay_mult=0.0, bias_decay_mult=0.0, flat_decay_mult=0.0),
 )
 param_scheduler = [

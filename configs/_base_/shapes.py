@@ -29,6 +29,7 @@ test_evaluator = val_evaluator
 max_epochs = 10
 optim_wrapper = dict(
     optimizer=dict(type='AdamW', lr=3e-4, weight_decay=0.05),
+    constructor='ParamwiseSummaryOptimWrapperConstructor',  # paramwise_cfg summarised in the log
     paramwise_cfg=dict(norm_decay_mult=0.0, bias_decay_mult=0.0, flat_decay_mult=0.0),
 )
 param_scheduler = [

@@ -1,11 +1,14 @@
 """posattn in OpenMMLab (mmengine / mmpretrain / mmdet / mmseg): import this module once.
 
 ``custom_imports = dict(imports=['posattn_openmmlab'], allow_failed_imports=False)`` in a
-config (or importing it in a script) does seven things:
+config (or importing it in a script) does eight things:
 
 * registers the backbones ``PosattnPerViT`` and ``PosattnViT`` in mmengine's root ``MODELS``
   (:mod:`.backbones`), visible from every toolbox's registry;
 * registers the neck ``PosattnSimpleFPN`` (ViTDet's simple feature pyramid) there too (:mod:`.necks`);
+* registers ``ParamwiseSummaryOptimWrapperConstructor`` in mmengine's root
+  ``OPTIM_WRAPPER_CONSTRUCTORS`` (:mod:`.optim`): mmengine's default constructor, whose log
+  states ``paramwise_cfg`` in a few lines instead of one per parameter;
 * registers the datasets ``PositionalShapes`` (the embedded set) and ``CheckedImageNet`` in
   mmpretrain's ``DATASETS`` (:mod:`.datasets`);
 * makes mmengine load local checkpoints weights-only with an allow-list of its own types, so
@@ -34,6 +37,7 @@ from .checkpoint import register_checkpoint_loader
 from .checkpoint_hook import SafeCheckpointHook
 from .datasets import CheckedImageNet, PositionalShapes
 from .necks import PosattnSimpleFPN
+from .optim import ParamwiseSummaryOptimWrapperConstructor
 from .random_state import RandomStateHook
 from .runner import PosattnRunner
 
@@ -44,6 +48,6 @@ for _module in pkgutil.iter_modules(__path__):
     if _module.name.startswith('swap_'):
         importlib.import_module(f'{__name__}.{_module.name}')
 
-__all__ = ['PosattnPerViT', 'PosattnViT', 'PosattnSimpleFPN', 'PositionalShapes', 'CheckedImageNet',
-           'PosattnRunner', 'SafeCheckpointHook', 'RandomStateHook', 'register_checkpoint_loader',
-           'register_atomic_backend']
+__all__ = ['PosattnPerViT', 'PosattnViT', 'PosattnSimpleFPN', 'ParamwiseSummaryOptimWrapperConstructor',
+           'PositionalShapes', 'CheckedImageNet', 'PosattnRunner', 'SafeCheckpointHook', 'RandomStateHook',
+           'register_checkpoint_loader', 'register_atomic_backend']
