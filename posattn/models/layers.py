@@ -8,7 +8,9 @@ import torch
 from einops import rearrange
 from torch import nn
 
-__all__ = ['DropPath', 'Mlp', 'PatchEmbed', 'take_indices']
+from .registry import load_checkpoint
+
+__all__ = ['ClassifierApi', 'DropPath', 'Mlp', 'PatchEmbed', 'take_indices']
 
 
 class DropPath(nn.Module):
@@ -78,3 +80,29 @@ def take_indices(num_blocks: int, indices: Optional[Union[int, Sequence[int]]] =
     if not resolved or not all(0 <= i < num_blocks for i in resolved):
         raise ValueError(f'block indices {list(indices)} are not in 0..{num_blocks - 1} (or -{num_blocks}..-1)')
     return resolved
+
+
+class ClassifierApi:
+    """timm's classifier API on a posattn model with ``head``, ``num_features``, ``num_classes``,
+    ``global_pool`` (checked by its ``_checked_pool``) and ``grad_checkpointing``."""
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        """A new classifier of ``num_classes`` outputs (0: none), and optionally a new pooling."""
+        if global_pool is not None:
+            self.global_pool = self._checked_pool(global_pool)
+        self.num_classes = num_classes
+        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+
+    @torch.jit.ignore
+    def load_pretrained(self, checkpoint_path: str) -> None:
+        """Weights from a file, in any layout ``posattn.create_model`` reads; a classifier of another
+        size is left out (with a warning). timm calls it for ``timm.create_model(name,
+        pretrained=True, pretrained_cfg_overlay=dict(file=checkpoint_path))``."""
+        load_checkpoint(self, checkpoint_path, target=type(self).__name__, classifier_may_differ=True)
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each block in the backward pass instead of keeping its activations."""
+        self.grad_checkpointing = enable

@@ -39,8 +39,8 @@ from ..grid import TokenGrid
 from ..phi.peg import PositionEncodingGenerator
 from ..phi.peripheral import DistanceEmbedding, PeripheralPhi
 from ..window import GridWindows
-from .layers import DropPath, Mlp, take_indices
-from .registry import create_from_arch, load_checkpoint, register_model
+from .layers import ClassifierApi, DropPath, Mlp, take_indices
+from .registry import create_from_arch, register_model
 
 __all__ = ['PerViT', 'PerViTBlock', 'ConvStem', 'PERVIT_ARCHS', 'pervit_tiny', 'pervit_small',
            'pervit_medium']
@@ -136,7 +136,7 @@ class PerViTBlock(nn.Module):
         return f'window_size={self.window_size}'
 
 
-class PerViT(nn.Module):
+class PerViT(ClassifierApi, nn.Module):
     """Peripheral Vision Transformer: conv stem, columnar blocks with peripheral attention, GAP head.
 
     Args:
@@ -278,27 +278,6 @@ class PerViT(nn.Module):
         if prune_head:
             self.reset_classifier(0, '')
         return wanted
-
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        """A new classifier of ``num_classes`` outputs (0: none), and optionally a new pooling."""
-        if global_pool is not None:
-            self.global_pool = self._checked_pool(global_pool)
-        self.num_classes = num_classes
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
-
-    @torch.jit.ignore
-    def load_pretrained(self, checkpoint_path: str) -> None:
-        """Weights from a file, in any layout ``posattn.create_model`` reads; a classifier of another
-        size is left out (with a warning). timm calls it for ``timm.create_model(name,
-        pretrained=True, pretrained_cfg_overlay=dict(file=checkpoint_path))``."""
-        load_checkpoint(self, checkpoint_path, target=type(self).__name__, classifier_may_differ=True)
-
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        """Recompute each block in the backward pass instead of keeping its activations."""
-        self.grad_checkpointing = enable
 
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:

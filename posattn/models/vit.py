@@ -31,8 +31,8 @@ from torch import nn
 from ..attention import Attention
 from ..grid import TokenGrid
 from ..phi import PositionalModule, build_layer_phi, build_phi
-from .layers import DropPath, Mlp, PatchEmbed, take_indices
-from .registry import create_from_arch, load_checkpoint, register_model
+from .layers import ClassifierApi, DropPath, Mlp, PatchEmbed, take_indices
+from .registry import create_from_arch, register_model
 
 __all__ = ['VisionTransformer', 'Block', 'VIT_ARCHS', 'resize_pos_embed', 'vit_tiny', 'vit_small', 'vit_base']
 
@@ -98,7 +98,7 @@ def _init_linear_layers(module: nn.Module) -> None:
             _init_linear_layers(child)
 
 
-class VisionTransformer(nn.Module):
+class VisionTransformer(ClassifierApi, nn.Module):
     """ViT / DeiT with a pluggable Φp in every attention layer.
 
     Args:
@@ -259,27 +259,6 @@ class VisionTransformer(nn.Module):
         if prune_head:
             self.reset_classifier(0, '')
         return wanted
-
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        """A new classifier of ``num_classes`` outputs (0: none), and optionally a new pooling."""
-        if global_pool is not None:
-            self.global_pool = self._checked_pool(global_pool)
-        self.num_classes = num_classes
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
-
-    @torch.jit.ignore
-    def load_pretrained(self, checkpoint_path: str) -> None:
-        """Weights from a file, in any layout ``posattn.create_model`` reads; a classifier of another
-        size is left out (with a warning). timm calls it for ``timm.create_model(name,
-        pretrained=True, pretrained_cfg_overlay=dict(file=checkpoint_path))``."""
-        load_checkpoint(self, checkpoint_path, target=type(self).__name__, classifier_may_differ=True)
-
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        """Recompute each block in the backward pass instead of keeping its activations."""
-        self.grad_checkpointing = enable
 
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
