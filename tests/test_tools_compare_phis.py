@@ -1,5 +1,6 @@
-"""tools/compare_phis.py with a reduced budget: every run trains through tools/train.py and the
-table, JSON and plot come from their logs."""
+"""tools/compare_phis.py: its experiments' plans and options, and, with a reduced budget, runs that
+train through tools/train.py and the table, JSON and plot that come from their logs."""
+import importlib
 import json
 import subprocess
 import sys
@@ -8,9 +9,51 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope='module')
+def tool():
+    pytest.importorskip('posattn_openmmlab')
+    sys.path.insert(0, str(ROOT / 'tools'))
+    try:
+        yield importlib.import_module('compare_phis')
+    finally:
+        sys.path.remove(str(ROOT / 'tools'))
+
+
+def test_swap_experiment_trains_the_starting_model_first(tool):
+    args = tool.parse_args(['--experiment', 'swap', '--rows', 'finetune_peripheral', 'finetune_peg'])
+    assert tool.planned_rows(args) == ['deit_t', 'finetune_peg', 'finetune_peripheral']
+    assert args.work_dir == 'work_dirs/compare_phis/swap'
+    assert tool.parse_args([]).work_dir == 'work_dirs/compare_phis'
+    with pytest.raises(SystemExit):
+        tool.parse_args(['--rows', 'finetune_peg'])  # a row of the other experiment
+
+
+def test_a_fine_tune_starts_from_the_last_checkpoint_of_its_run(tool, tmp_path):
+    with pytest.raises(FileNotFoundError, match='no last_checkpoint file'):
+        tool.last_checkpoint(tmp_path)
+    (tmp_path / 'last_checkpoint').write_text(f'{tmp_path / "epoch_10.pth"}\n')
+    start = tool.last_checkpoint(tmp_path)
+    assert start == tmp_path / 'epoch_10.pth'
+    options = tool.overrides(tool.parse_args(['--experiment', 'swap', '--epochs', '3']), seed=1, starting_checkpoint=start)
+    assert options == ['randomness.seed=1', 'train_cfg.max_epochs=3', 'param_scheduler.1.end=3',
+                       f'model.backbone.backbone.init_cfg.checkpoint={start}', f'model.head.init_cfg.checkpoint={start}']
+
+
+def test_every_row_config_has_what_the_tool_sets(tool):
+    from mmengine.config import Config
+    for experiment, rows in tool.EXPERIMENTS.items():
+        for name, row in rows.items():
+            cfg = Config.fromfile(tool.config_path(row.config))
+            assert cfg.param_scheduler[1].end == cfg.train_cfg.max_epochs, name  # what --epochs overrides
+            if row.start_from:
+                assert cfg.model.backbone.type == 'PosattnSwappedBackbone', name
+                assert cfg.model.backbone.backbone.init_cfg.prefix == 'backbone.'
+                assert cfg.model.head.init_cfg == dict(type='Pretrained', checkpoint=cfg.pretrained, prefix='head.')
+
+
+@pytest.mark.slow
 def test_compare_phis_trains_each_row_and_seed_and_tabulates(tmp_path):
     command = [sys.executable, 'tools/compare_phis.py', '--rows', 'deit_t_peg', 'pervit_t', '--seeds', '0', '1',
                '--epochs', '2', '--work-dir', str(tmp_path),
@@ -35,7 +78,7 @@ def test_compare_phis_trains_each_row_and_seed_and_tabulates(tmp_path):
     table = (tmp_path / 'comparison.md').read_text()
     assert '| PerViT-T | `pervit_t_shapes.py` |' in table and '2 seeds' in table
     assert (tmp_path / 'comparison.png').read_bytes()[:4] == b'\x89PNG'
-    assert 'val top-1 after 2 epochs' in result.stdout
+    assert '| PerViT-T | `pervit_t_shapes.py` | 7.31 | 2 |' in result.stdout
 
     # the same settings again: the finished run is reused, not trained again
     again = subprocess.run(command[:3] + ['pervit_t'] + command[5:], cwd=ROOT, capture_output=True, text=True,
@@ -43,3 +86,19 @@ def test_compare_phis_trains_each_row_and_seed_and_tabulates(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count('reusing') == 2 and 'Epoch(val)' not in again.stdout
     assert json.loads((tmp_path / 'comparison.json').read_text())['runs'] == record['runs'][2:]
+
+
+@pytest.mark.slow
+def test_swap_experiment_fine_tunes_from_its_own_starting_run(tmp_path):
+    command = [sys.executable, 'tools/compare_phis.py', '--experiment', 'swap', '--rows', 'finetune_peripheral',
+               '--epochs', '2', '--work-dir', str(tmp_path),
+               '--cfg-options', 'train_dataloader.dataset.num_images=64', 'train_dataloader.batch_size=32',
+               'val_dataloader.dataset.num_images=32', 'default_hooks.logger.interval=1']
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    record = json.loads((tmp_path / 'comparison.json').read_text())
+    assert [run['row'] for run in record['runs']] == ['deit_t', 'finetune_peripheral']
+    start = tmp_path / 'deit_t' / 'seed0' / 'epoch_2.pth'
+    assert f'model.head.init_cfg.checkpoint={start}' in record['runs'][1]['options']
+    (mmengine_log,) = (tmp_path / 'finetune_peripheral' / 'seed0').glob('*/*.log')
+    assert f'PretrainedInit: load from {start}' in mmengine_log.read_text()

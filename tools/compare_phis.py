@@ -1,12 +1,19 @@
-"""PerViT Table 2 on the embedded set: the same ViT-Tiny with each Φp, and PerViT-T, one budget.
+"""Φp compared on the embedded set, one budget per row, in two experiments:
 
-    python tools/compare_phis.py                       # 5 rows x seed 0, 10 epochs each
+    python tools/compare_phis.py                       # table2: 5 rows x seed 0, 10 epochs each
     python tools/compare_phis.py --epochs 3 --seeds 0 1 --rows deit_t_none pervit_t
+    python tools/compare_phis.py --experiment swap     # DeiT-T, then a fine-tune per swapped-in Φp
 
-Every row is a ``configs/<row>_shapes.py`` config trained by ``tools/train.py`` (one process per
-run, its log under the work dir) with the data, recipe and schedule of ``configs/_base_/shapes.py``:
-only the model differs. ``--epochs`` shortens every run alike (the cosine schedule ends with it);
+``table2`` is PerViT Table 2: the same ViT-Tiny with each Φp, and PerViT-T, from scratch. ``swap``
+trains mmpretrain's own DeiT-T (``configs/swap/deit-t_shapes.py``), then fine-tunes that checkpoint
+with each Φp swapped in by ``PosattnSwappedBackbone`` (``configs/swap/deit-t_finetune-*_shapes.py``).
+
+Every row is a config trained by ``tools/train.py`` (one process per run, its log under the work
+dir) with the data and recipe of ``configs/_base_/shapes.py``: within an experiment's stage only
+the model differs. ``--epochs`` sets every run's length alike (the cosine schedule ends with it);
 each seed sets mmengine's ``randomness.seed`` (initialisation and shuffling; the data is the same).
+A row that starts from another (the fine-tunes) takes the last checkpoint of that row's run with
+the same seed.
 
 A run that finished before in the work dir with the same overrides (its ``run.json``) is
 reused, not trained again; delete its folder to rerun it. Writes to the work dir:
@@ -22,61 +29,116 @@ import sys
 import time
 from pathlib import Path
 
+from typing import NamedTuple, Optional
+
 from _common import REPO_ROOT
 from mmengine.config import Config, DictAction
 from mmengine.registry import init_default_scope
 
-ROWS = {  # config stem -> what the row is (PerViT Table 2)
-    'deit_t_none': 'DeiT-T (abs. embedding)',
-    'deit_t_peg': 'DeiT-T + CPVT (PEG)',
-    'deit_t_irpe': 'DeiT-T + iRPE-K',
-    'deit_t_peripheral': 'DeiT-T + PPE (peripheral)',
-    'pervit_t': 'PerViT-T',
+
+class Row(NamedTuple):
+    """One model of an experiment: its config (under configs/), what it is, and the row whose
+    trained checkpoint it starts from (None: from scratch)."""
+    config: str
+    label: str
+    start_from: Optional[str] = None
+
+
+def _finetune(phi: str, label: str) -> Row:
+    return Row(f'swap/deit-t_finetune-{phi}_shapes.py', f'DeiT-T fine-tuned, + {label}', start_from='deit_t')
+
+
+EXPERIMENTS = {
+    'table2': {  # PerViT Table 2, from scratch
+        'deit_t_none': Row('deit_t_none_shapes.py', 'DeiT-T (abs. embedding)'),
+        'deit_t_peg': Row('deit_t_peg_shapes.py', 'DeiT-T + CPVT (PEG)'),
+        'deit_t_irpe': Row('deit_t_irpe_shapes.py', 'DeiT-T + iRPE-K'),
+        'deit_t_peripheral': Row('deit_t_peripheral_shapes.py', 'DeiT-T + PPE (peripheral)'),
+        'pervit_t': Row('pervit_t_shapes.py', 'PerViT-T'),
+    },
+    'swap': {  # mmpretrain's DeiT-T, then each Φp swapped in and fine-tuned from its checkpoint
+        'deit_t': Row('swap/deit-t_shapes.py', "mmpretrain's DeiT-T (abs. embedding), from scratch"),
+        'finetune_none': _finetune('none', "plain attention ('none')"),
+        'finetune_peg': _finetune('peg', 'CPVT (PEG)'),
+        'finetune_irpe': _finetune('irpe', 'iRPE-K'),
+        'finetune_peripheral': _finetune('peripheral', 'PPE (peripheral)'),
+    },
 }
+# The inits that a fine-tune's starting checkpoint goes to: the swapped backbone's and the head's.
+STARTING_CHECKPOINT_KEYS = ('model.backbone.backbone.init_cfg.checkpoint', 'model.head.init_cfg.checkpoint')
 TARGET_TOP1 = 95.0  # "epochs to reach": how fast each row learns, where most end near 100%
 SKIPPED_LOGGED_WINDOWS = 1  # the first logged window of each run holds warm-up (allocation, first batches)
 RUN_RECORD = 'run.json'  # per finished run: what read_run found and the wall time; lets a rerun reuse it
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Train PerViT Table 2's rows on the embedded set with one budget")
-    parser.add_argument('--rows', nargs='+', choices=list(ROWS), default=list(ROWS), help='rows to train')
+    parser = argparse.ArgumentParser(description='Train each row of an experiment on the embedded set with one budget')
+    parser.add_argument('--experiment', choices=list(EXPERIMENTS), default='table2',
+                        help="table2: PerViT Table 2's rows from scratch; swap: DeiT-T, then a fine-tune per Φp")
+    parser.add_argument('--rows', nargs='+', help="rows to train (default: all of the experiment's; a row that "
+                                                  'starts from another trains that one too)')
     parser.add_argument('--seeds', nargs='+', type=int, default=[0], help='one run per row and seed')
-    parser.add_argument('--epochs', type=int, help='epochs per run (default: the configs\', 10)')
-    parser.add_argument('--work-dir', default='work_dirs/compare_phis', help='runs, table and plot go here')
+    parser.add_argument('--epochs', type=int, help="epochs per run (default: the configs', 10 from scratch, 5 to fine-tune)")
+    parser.add_argument('--work-dir', help='runs, table and plot go here (default: work_dirs/compare_phis, '
+                                           'and its swap/ folder for the swap experiment)')
     parser.add_argument('--cfg-options', nargs='+', action=DictAction, default={},
                         help='further overrides, the same for every run (e.g. train_dataloader.dataset.num_images=600)')
     args = parser.parse_args(argv)
+    rows = EXPERIMENTS[args.experiment]
+    unknown = sorted(set(args.rows or ()) - set(rows))
+    if unknown:
+        parser.error(f'no row {", ".join(unknown)} in the {args.experiment} experiment; its rows: {", ".join(rows)}')
     if args.epochs is not None and args.epochs < 2:
         parser.error(f'--epochs must be >= 2 (one warm-up epoch, then the cosine decay), got {args.epochs}')
+    args.work_dir = args.work_dir or ('work_dirs/compare_phis' + ('/swap' if args.experiment == 'swap' else ''))
     return args
 
 
-def config_path(row: str) -> Path:
-    return REPO_ROOT / 'configs' / f'{row}_shapes.py'
+def planned_rows(args) -> list:
+    """The rows to train, in the experiment's order, with every row a chosen one starts from."""
+    rows = EXPERIMENTS[args.experiment]
+    chosen = set(args.rows or rows)
+    chosen |= {rows[name].start_from for name in chosen if rows[name].start_from}
+    return [name for name in rows if name in chosen]
 
 
-def overrides(args, seed: int) -> list:
-    """``--cfg-options`` for one run: the seed, the budget, and the user's extra overrides."""
+def config_path(config: str) -> Path:
+    return REPO_ROOT / 'configs' / config
+
+
+def last_checkpoint(run_dir: Path) -> Path:
+    """The checkpoint mmengine saved last in ``run_dir`` (its ``last_checkpoint`` file names it)."""
+    record = run_dir / 'last_checkpoint'
+    if not record.is_file():
+        raise FileNotFoundError(f'{run_dir} holds no finished training (no last_checkpoint file)')
+    path = Path(record.read_text().strip())
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
+def overrides(args, seed: int, starting_checkpoint: Optional[Path] = None) -> list:
+    """``--cfg-options`` for one run: the seed, the budget, the checkpoint it starts from (if any),
+    and the user's extra overrides."""
     options = dict(args.cfg_options, **{'randomness.seed': seed})
     if args.epochs is not None:
         options.update({'train_cfg.max_epochs': args.epochs, 'param_scheduler.1.end': args.epochs})
+    if starting_checkpoint is not None:
+        options.update(dict.fromkeys(STARTING_CHECKPOINT_KEYS, str(starting_checkpoint)))
     return [f'{key}={value}' for key, value in options.items()]
 
 
-def count_parameters(row: str, args) -> int:
+def count_parameters(row: Row, options: list) -> int:
     from mmpretrain.registry import MODELS
-    cfg = Config.fromfile(config_path(row))
-    cfg.merge_from_dict(args.cfg_options)
+    cfg = Config.fromfile(config_path(row.config))
+    cfg.merge_from_dict(dict(option.split('=', 1) for option in options))
     init_default_scope(cfg.default_scope)
     return sum(p.numel() for p in MODELS.build(cfg.model).parameters())
 
 
-def train(row: str, seed: int, work_dir: Path, args) -> float:
+def train(row: Row, options: list, work_dir: Path) -> float:
     """Runs tools/train.py, echoing each validation line; returns the wall time in seconds."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, str(REPO_ROOT / 'tools' / 'train.py'), str(config_path(row)),
-               '--work-dir', str(work_dir), '--cfg-options', *overrides(args, seed)]
+    command = [sys.executable, str(REPO_ROOT / 'tools' / 'train.py'), str(config_path(row.config)),
+               '--work-dir', str(work_dir), '--cfg-options', *options]
     start = time.perf_counter()
     with open(work_dir / 'train.log', 'w') as log:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
@@ -86,7 +148,7 @@ def train(row: str, seed: int, work_dir: Path, args) -> float:
                 print('    ' + line.split(' - ')[-1].strip(), flush=True)
     if process.wait() != 0:
         tail = ''.join((work_dir / 'train.log').read_text().splitlines(keepends=True)[-30:])
-        raise RuntimeError(f'{row} (seed {seed}) failed; {work_dir / "train.log"} ends with:\n{tail}')
+        raise RuntimeError(f'{row.config} failed; {work_dir / "train.log"} ends with:\n{tail}')
     return time.perf_counter() - start
 
 
@@ -113,50 +175,51 @@ def finished_run(work_dir: Path, options: list):
     return run if run.get('options') == options else None
 
 
-def summarise(runs: list) -> list:
+def summarise(runs: list, rows: dict) -> list:
     """One line per row: means (and spread) over its seeds."""
     table = []
     for row in dict.fromkeys(run['row'] for run in runs):
         mine = [run for run in runs if run['row'] == row]
         finals = [run['top1_per_epoch'][-1] for run in mine]
         table.append(dict(
-            row=row, model=ROWS[row], seeds=[run['seed'] for run in mine],
+            row=row, model=rows[row].label, config=rows[row].config, seeds=[run['seed'] for run in mine],
             top1=statistics.fmean(finals), top1_spread=(max(finals) - min(finals)) if len(finals) > 1 else None,
             best_top1=statistics.fmean(max(run['top1_per_epoch']) for run in mine),
             epochs_to_target=[next((epoch for epoch, top1 in enumerate(run['top1_per_epoch'], 1) if top1 >= TARGET_TOP1),
                                    None) for run in mine],
             params_m=mine[0]['params'] / 1e6, step_time_ms=1e3 * statistics.fmean(run['step_time_s'] for run in mine),
-            wall_min=statistics.fmean(run['wall_s'] for run in mine) / 60,
+            wall_min=statistics.fmean(run['wall_s'] for run in mine) / 60, epochs=len(mine[0]['top1_per_epoch']),
         ))
     return table
 
 
-def markdown(table: list, epochs: int) -> str:
-    lines = [f'| model | config | params (M) | val top-1 after {epochs} epochs (%) | best epoch top-1 (%) '
-             f'| epochs to {TARGET_TOP1:g}% | step time (ms) | run time (min) |', '|---|---|---|---|---|---|---|---|']
+def markdown(table: list) -> str:
+    lines = ['| model | config | params (M) | epochs | final val top-1 (%) | best epoch top-1 (%) '
+             f'| epochs to {TARGET_TOP1:g}% | step time (ms) | run time (min) |', '|---|---|---|---|---|---|---|---|---|']
     for line in table:
         spread = f' (range {line["top1_spread"]:.1f}, {len(line["seeds"])} seeds)' if line['top1_spread'] is not None else ''
         reached = ', '.join('-' if epoch is None else str(epoch) for epoch in line['epochs_to_target'])
-        lines.append(f'| {line["model"]} | `{line["row"]}_shapes.py` | {line["params_m"]:.2f} | {line["top1"]:.1f}{spread} '
-                     f'| {line["best_top1"]:.1f} | {reached} | {line["step_time_ms"]:.0f} | {line["wall_min"]:.1f} |')
+        lines.append(f'| {line["model"]} | `{line["config"]}` | {line["params_m"]:.2f} | {line["epochs"]} '
+                     f'| {line["top1"]:.1f}{spread} | {line["best_top1"]:.1f} | {reached} | {line["step_time_ms"]:.0f} '
+                     f'| {line["wall_min"]:.1f} |')
     return '\n'.join(lines) + '\n'
 
 
-def plot(runs: list, table: list, path: Path) -> None:
+def plot(runs: list, table: list, rows: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
 
     fig, (curves, scatter) = plt.subplots(1, 2, figsize=(10, 3.8))
-    colours = {row: f'C{i}' for i, row in enumerate(ROWS)}
+    colours = {row: f'C{i}' for i, row in enumerate(rows)}
     labelled = set()
     for run in runs:  # one curve per run, one legend entry per row
         epochs = range(1, len(run['top1_per_epoch']) + 1)
-        label = None if run['row'] in labelled else ROWS[run['row']]
+        label = None if run['row'] in labelled else rows[run['row']].label
         labelled.add(run['row'])
         curves.plot(epochs, run['top1_per_epoch'], color=colours[run['row']], marker='.', label=label)
     curves.axhline(100 / 6, color='grey', linestyle=':', linewidth=1, label='chance')
-    curves.set(xlabel='epoch', ylabel='validation top-1 (%)', title='PositionalShapes, one budget')
+    curves.set(xlabel='epoch', ylabel='validation top-1 (%)', title='PositionalShapes')
     curves.legend(fontsize=7)
     for index, line in enumerate(table):  # labels alternately above and below, so neighbours do not overlap
         scatter.scatter(line['step_time_ms'], line['top1'], color=colours[line['row']], s=40)
@@ -174,32 +237,34 @@ def main(argv=None):
     args = parse_args(argv)
     work_dir = Path(args.work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
-    plan = [(row, seed) for row in args.rows for seed in args.seeds]
-    runs = []
-    for index, (row, seed) in enumerate(plan, 1):
-        run_dir = work_dir / row / f'seed{seed}'
-        print(f'[{index}/{len(plan)}] {ROWS[row]} ({row}_shapes.py), seed {seed}: log {run_dir / "train.log"}', flush=True)
-        run = finished_run(run_dir, overrides(args, seed))
+    rows = EXPERIMENTS[args.experiment]
+    plan = [(name, seed) for name in planned_rows(args) for seed in args.seeds]
+    runs, run_dirs = [], {}
+    for index, (name, seed) in enumerate(plan, 1):
+        row, run_dir = rows[name], work_dir / name / f'seed{seed}'
+        run_dirs[name, seed] = run_dir
+        print(f'[{index}/{len(plan)}] {row.label} ({row.config}), seed {seed}: log {run_dir / "train.log"}', flush=True)
+        start = last_checkpoint(run_dirs[row.start_from, seed]) if row.start_from else None
+        options = overrides(args, seed, start)
+        run = finished_run(run_dir, options)
         if run is not None:
             print(f'    finished before with the same settings: reusing {run_dir / RUN_RECORD}')
         else:
-            wall = train(row, seed, run_dir, args)
-            run = dict(row=row, seed=seed, options=overrides(args, seed), params=count_parameters(row, args),
-                       wall_s=wall, **read_run(run_dir))
+            wall = train(row, options, run_dir)
+            run = dict(row=name, seed=seed, options=options, params=count_parameters(row, options), wall_s=wall,
+                       **read_run(run_dir))
             (run_dir / RUN_RECORD).write_text(json.dumps(run, indent=1))
         runs.append(run)
         print(f'    top-1 {run["top1_per_epoch"][-1]:.1f}% after {len(run["top1_per_epoch"])} epochs, '
               f'{1e3 * run["step_time_s"]:.0f} ms/step, {run["wall_s"] / 60:.1f} min', flush=True)
 
-    epochs = len(runs[0]['top1_per_epoch'])
-    table = summarise(runs)
+    table = summarise(runs, rows)
     command = 'python tools/compare_phis.py ' + ' '.join(sys.argv[1:] if argv is None else argv)
     (work_dir / 'comparison.json').write_text(json.dumps(dict(command=command.strip(), runs=runs, table=table), indent=1))
-    (work_dir / 'comparison.md').write_text(markdown(table, epochs))
-    plot(runs, table, work_dir / 'comparison.png')
-    print('\n' + markdown(table, epochs))
+    (work_dir / 'comparison.md').write_text(markdown(table))
+    plot(runs, table, rows, work_dir / 'comparison.png')
+    print('\n' + markdown(table))
     print(f'wrote {work_dir / "comparison.md"}, comparison.json and comparison.png')
-
 
 if __name__ == '__main__':
     main()

@@ -1,0 +1,6 @@
+# deit-t_shapes.py's trained DeiT-T fine-tuned on the embedded set with PerViT's peripheral Φp,
+# swapped into every attention layer by PosattnSwappedBackbone (its own position embedding kept).
+# The budget and the starting checkpoint are deit-t_finetune_shapes.py's.
+_base_ = ['./deit-t_finetune_shapes.py']
+
+model = dict(backbone=dict(phi='peripheral'))
