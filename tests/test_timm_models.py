@@ -83,8 +83,9 @@ def test_pretrained_cfg_fits_the_model(name):
             assert features.shape[-2:] == cfg['pool_size'] and features.shape[1] == model.num_features
         else:
             assert features.shape[-1] == model.num_features
+        assert model.get_classifier() is model.head and model.head.out_features == 1000
         model.reset_classifier(0)
-        assert model(x).shape == (1, model.head_hidden_size)
+        assert model(x).shape == (1, model.head_hidden_size) and model.num_classes == 0
         model.reset_classifier(0, '')
         unpooled = model(x)
         if name.startswith('pervit'):
