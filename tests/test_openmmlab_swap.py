@@ -288,6 +288,9 @@ def test_a_checkpoint_of_a_swapped_model_loads_back_exactly(tmp_path):
 REAL = ['deit-s_peripheral_imagenet.py', 'upernet_vit-b16_peripheral_512x512_160k_ade20k.py',
         'mask-rcnn_swin-t_peripheral_fpn_1x_coco.py']
 EMBEDDED = ['deit-s_peripheral_shapes.py', 'upernet_vit_peripheral_shapes.py', 'mask-rcnn_swin-t_peripheral_shapes.py']
+# tools/compare_phis.py --experiment swap (tested with the tool): DeiT-T, then a fine-tune per Φp
+EXPERIMENT = ['deit-t_shapes.py', 'deit-t_finetune_shapes.py',
+              *(f'deit-t_finetune-{phi}_shapes.py' for phi in ('none', 'peg', 'irpe', 'peripheral'))]
 
 
 def config(name):
@@ -300,7 +303,11 @@ def build_in_scope(cfg, model_cfg):
 
 
 def test_every_swap_config_is_listed_here_and_wraps_its_toolbox_backbone():
-    assert sorted(p.name for p in SWAP_CONFIGS.glob('*.py')) == sorted(REAL + EMBEDDED)
+    assert sorted(p.name for p in SWAP_CONFIGS.glob('*.py')) == sorted(REAL + EMBEDDED + EXPERIMENT)
+    for name in EXPERIMENT:
+        cfg = config(name)
+        assert (cfg.runner_type, cfg.default_hooks.checkpoint.type, cfg.partial_load) == \
+            ('PosattnRunner', 'SafeCheckpointHook', False), name
     for real, embedded in zip(REAL, EMBEDDED):
         pair = config(real), config(embedded)
         for name, cfg in zip((real, embedded), pair):
