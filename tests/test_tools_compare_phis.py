@@ -53,6 +53,40 @@ def test_every_row_config_has_what_the_tool_sets(tool):
                 assert cfg.model.head.init_cfg == dict(type='Pretrained', checkpoint=cfg.pretrained, prefix='head.')
 
 
+def build(tool, row, options=()):
+    from mmpretrain.registry import MODELS
+    cfg = tool.Config.fromfile(tool.config_path(row.config))
+    cfg.merge_from_dict(dict(option.split('=', 1) for option in options))
+    tool.init_default_scope(cfg.default_scope)
+    model = MODELS.build(cfg.model)
+    model.init_weights()
+    return model
+
+
+def test_each_fine_tune_builds_from_the_starting_checkpoint_and_refuses_to_start_without_one(tool, tmp_path,
+                                                                                           monkeypatch):
+    import torch
+    monkeypatch.chdir(tmp_path)  # the configs' own checkpoint path is relative: here nothing was trained
+    rows = tool.EXPERIMENTS['swap']
+    torch.manual_seed(1)
+    trained = build(tool, rows['deit_t'])
+    with torch.no_grad():  # no tensor left at an initialisation that a fresh build would repeat (zeros, ones)
+        for param in trained.parameters():
+            param.normal_()
+    start = tmp_path / 'epoch_10.pth'
+    torch.save({'state_dict': trained.state_dict()}, start)
+    options = tool.overrides(tool.parse_args(['--experiment', 'swap']), seed=0, starting_checkpoint=start)
+    for name, row in rows.items():
+        if not row.start_from:
+            continue
+        with pytest.raises(FileNotFoundError, match='model.backbone.backbone.init_cfg.checkpoint=PATH'):
+            build(tool, row)
+        model = build(tool, row, options).state_dict()
+        for key, value in trained.state_dict().items():  # the classifier's backbone.* sits under backbone.backbone.*
+            assert torch.equal(model[key.replace('backbone.', 'backbone.backbone.', 1)], value), (name, key)
+        assert any('.attn.phi.' in key for key in model) == (name != 'finetune_none'), name
+
+
 @pytest.mark.slow
 def test_compare_phis_trains_each_row_and_seed_and_tabulates(tmp_path):
     command = [sys.executable, 'tools/compare_phis.py', '--rows', 'deit_t_peg', 'pervit_t', '--seeds', '0', '1',

@@ -18,8 +18,9 @@ the same seed.
 A run that finished before in the work dir with the same overrides (its ``run.json``) is
 reused, not trained again; delete its folder to rerun it. Writes to the work dir:
 ``comparison.json`` (every run: validation top-1 per epoch, parameters, median training step
-time over mmengine's logged windows, wall time), ``comparison.md`` (the table: means over seeds, and per seed the first epoch at 95% top-1)
-and ``comparison.png`` (validation top-1 per epoch, and final top-1 against step time).
+time over mmengine's logged windows, wall time), ``comparison.md`` (the table: means over seeds,
+and per seed the first epoch at 95% top-1) and ``comparison.png`` (validation top-1 per epoch,
+and final top-1 against step time).
 """
 import argparse
 import json
