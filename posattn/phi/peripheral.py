@@ -345,7 +345,10 @@ class PeripheralPhi(PositionalModule):
 
     def log_position_attention(self, height: int, width: int) -> torch.Tensor:
         """log Φp for an H x W grid: (heads, H*W, H*W) in the parameters' dtype, [head, query, key]."""
-        with torch.autocast(self.proj1_weight.device.type, enabled=False):
+        device_type = self.proj1_weight.device.type
+        if not torch.amp.is_autocast_available(device_type):  # e.g. 'meta': nothing to turn off
+            return peripheral_log_attention(height, width, self.weights())
+        with torch.autocast(device_type, enabled=False):
             return peripheral_log_attention(height, width, self.weights())
 
     def position_attention(self, height: int, width: int) -> torch.Tensor:
