@@ -74,24 +74,24 @@ def distance_canvas(height: int, width: int) -> torch.Tensor:
 
 
 def _windows(canvas: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """Every (H+2) x (W+2) window of the PP1 canvas (hidden, 2H+1, 2W+1), as a view.
+    """Every (H+2) x (W+2) window of the channels-last PP1 canvas (2H+1, 2W+1, hidden), as a view.
 
-    Returns (hidden, H, W, H+2, W+2) indexed by window start (a, b). Query (i, j) sees padded
+    Returns (H, W, hidden, H+2, W+2) indexed by window start (a, b). Query (i, j) sees padded
     key (y, x) at offset (y - 2 - i, x - 2 - j), which after the valid 3x3 PP1 is canvas cell
     (H - 1 - i + y, W - 1 - j + x): window (a, b) = (H - 1 - i, W - 1 - j) is query (i, j)
     mirrored, so the windows of all queries are one strided view and only the output is flipped.
     """
-    return canvas.unfold(1, height + 2, 1).unfold(2, width + 2, 1)
+    return canvas.unfold(0, height + 2, 1).unfold(1, width + 2, 1)
 
 
 def _windows_adjoint(grad_windows: torch.Tensor, canvas_shape: torch.Size) -> torch.Tensor:
-    """The gradient of a canvas given its :func:`_windows`' gradient (hidden, r, W, H+2, W+2):
+    """The gradient of a canvas given its :func:`_windows`' gradient (r, W, hidden, H+2, W+2):
     every window adds its gradient back where it was read, overlaps summed. The two unfolds'
     own adjoints, applied in reverse order (what autograd would run, without building a graph)."""
-    hidden, starts, width, rows, cols = grad_windows.shape
+    starts, width, hidden, rows, cols = grad_windows.shape
     row_windows = torch.ops.aten.unfold_backward(
-        grad_windows, (hidden, starts, canvas_shape[2], rows), 2, cols, 1)  # (hidden, r, 2W+1, H+2)
-    return torch.ops.aten.unfold_backward(row_windows, tuple(canvas_shape), 1, rows, 1)
+        grad_windows, (starts, canvas_shape[1], hidden, rows), 1, cols, 1)  # (r, 2W+1, hidden, H+2)
+    return torch.ops.aten.unfold_backward(row_windows, tuple(canvas_shape), 0, rows, 1)
 
 
 def _box_means(maps: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -105,13 +105,13 @@ def _box_means(maps: torch.Tensor, height: int, width: int) -> torch.Tensor:
 
 @grid_constant(maxsize=16)
 def _grid_moments(height: int, width: int, device: torch.device) -> Tuple[torch.Tensor, ...]:
-    """What PP1 and IN1 need from the grid alone, in float64.
+    """What PP1 and IN1 need from the grid alone, in float64, channels last.
 
     PP1's output canvas is sum_s K1[o, s] * shifted_s, with shifted_s the distance canvas moved by
     the kernel offset s (9 of them). Its window statistics are then K1 . mean_s and
-    K1^T cov_st K1, with the window means (9, H, W) and covariances (9, 9, H, W) of the shifted
-    maps: a Gram form (non-negative up to float64 rounding, which the norm's eps covers) and no
-    per-step pass over the canvas.
+    K1^T cov_st K1, with the window means and covariances of the shifted maps: a Gram form
+    (non-negative up to float64 rounding, which the norm's eps covers) and no per-step pass over
+    the canvas. Returns shifted (2H+1, 2W+1, 9), means (H, W, 9) and covariances (H, W, 9, 9).
     """
     distances = distance_canvas(height, width)
     rows, cols = 2 * height + 1, 2 * width + 1
@@ -119,7 +119,8 @@ def _grid_moments(height: int, width: int, device: torch.device) -> Tuple[torch.
                            for u in range(KERNEL_SIZE) for v in range(KERNEL_SIZE)])
     means = _box_means(shifted, height, width)
     covariances = _box_means(shifted[:, None] * shifted[None], height, width) - means[:, None] * means[None]
-    return shifted.to(device), means.to(device), covariances.to(device)
+    return tuple(t.to(device).contiguous() for t in (shifted.permute(1, 2, 0), means.permute(1, 2, 0),
+                                                       covariances.permute(2, 3, 0, 1)))
 
 
 def _row_chunks(height: int, width: int, hidden: int) -> List[slice]:
@@ -129,26 +130,22 @@ def _row_chunks(height: int, width: int, hidden: int) -> List[slice]:
     return [slice(a, min(a + step, height)) for a in range(0, height, step)]
 
 
-def _chunk_forward(canvas, scale, shift, proj2, norm2_weight, norm2_bias, rows):
+def _chunk_forward(canvas, scale, shift, proj2_weight, norm2_weight, norm2_bias, rows):
     """Window rows ``rows``: (ReLU(IN1) activations, IN2-normalised maps, IN2 1/std, log Φp).
 
-    PP2 is one GEMM, (9 * heads, hidden) @ (hidden, positions), then 9 shifted adds.
+    The activations of the chunk's q queries are a batch of q channels-last images (q, hidden,
+    H+2, W+2), so that PP2 is one convolution (q, heads, H, W) in the layout oneDNN's
+    convolutions run fastest in; the maps of the outputs stay in the convolution's layout.
     """
-    hidden_dim, height, width = scale.shape
-    windows = _windows(canvas, height, width)[:, rows]  # (hidden, r, W, H+2, W+2)
-    # The result takes the overlapping windows' stride order; PP2's GEMM wants it dense.
-    hidden = torch.addcmul(shift[:, rows, :, None, None], windows,
-                           scale[:, rows, :, None, None]).relu_().contiguous()
-    queries = hidden.shape[1] * width
-    products = (proj2 @ hidden.view(hidden_dim, -1)).view(KERNEL_SIZE ** 2, -1, queries,
-                                                            height + 2, width + 2)
-    maps = products[0, :, :, :height, :width].clone()  # (heads, q, H, W)
-    for offset in range(1, KERNEL_SIZE ** 2):
-        u, v = divmod(offset, KERNEL_SIZE)
-        maps += products[offset, :, :, u:u + height, v:v + width]
-    maps = maps.view(-1, queries, height * width)
-    centered = maps - maps.mean(-1, keepdim=True)
-    inv_std = torch.rsqrt(centered.square().mean(-1, keepdim=True) + NORM_EPS)
+    height, width, hidden_dim = scale.shape
+    windows = _windows(canvas, height, width)[rows].permute(0, 1, 3, 4, 2)  # (r, W, H+2, W+2, hidden)
+    # Gathered dense first, so that the result is (q, hidden, H+2, W+2) in channels-last order
+    # (the overlapping windows' own strides would give another order; out= cannot be traced).
+    hidden = torch.addcmul(shift[rows, :, None, None], windows.contiguous(), scale[rows, :, None, None]).relu_()
+    hidden = hidden.permute(0, 1, 4, 2, 3).flatten(0, 1)  # (q, hidden, H+2, W+2)
+    maps = F.conv2d(hidden, proj2_weight)  # PP2: (q, heads, H, W)
+    centered = maps - maps.mean((2, 3), keepdim=True)
+    inv_std = torch.rsqrt(centered.square().mean((2, 3), keepdim=True) + NORM_EPS)
     normed = centered.mul_(inv_std)
     log_phi = F.logsigmoid(torch.addcmul(norm2_bias[:, None, None], normed, norm2_weight[:, None, None]))
     return hidden, normed, inv_std, log_phi
@@ -161,79 +158,63 @@ def _query_span(rows: slice, height: int, width: int) -> slice:
     return slice(tokens - rows.stop * width, tokens - rows.start * width)
 
 
-def _flip_offsets(rows: torch.Tensor) -> torch.Tensor:
-    """Reverse the kernel offsets of (9 * heads, ...) rows: offset (u, v) <-> (2 - u, 2 - v)."""
-    return rows.view(KERNEL_SIZE ** 2, -1, *rows.shape[1:]).flip(0).view(rows.shape)
-
-
-def _flipped_products_grad(grad_maps: torch.Tensor) -> torch.Tensor:
-    """Gradient of PP2's per-offset products, offsets reversed: (9 * heads, q * (H+2) * (W+2)).
-
-    Product (u, v) at (y, x) feeds map (y - u, x - v), so its gradient is the map gradient
-    shifted; with the offsets reversed, all nine are positive-stride windows of the gradient
-    zero-padded by 2, gathered in one copy.
-    """
-    heads, queries, height, width = grad_maps.shape
-    padded = F.pad(grad_maps, (KERNEL_SIZE - 1,) * 4)
-    row_stride, col_stride = padded.stride(2), padded.stride(3)
-    windows = padded.as_strided(
-        (KERNEL_SIZE, KERNEL_SIZE, heads, queries, height + 2, width + 2),
-        (row_stride, col_stride, padded.stride(0), padded.stride(1), row_stride, col_stride))
-    return windows.reshape(KERNEL_SIZE ** 2 * heads, -1)
-
-
 class _LogPeripheralAttention(torch.autograd.Function):
     """log Φp = logsigmoid(IN2(PP2(ReLU(IN1(PP1))))) for all queries, from the PP1 canvas.
 
-    IN1's statistics come in as a per-query affine (``scale``, ``shift``: (hidden, H, W) by
+    IN1's statistics come in as a per-query affine (``scale``, ``shift``: (H, W, hidden) by
     window start), so the work per query is one fused affine + ReLU over its window of the
-    canvas, PP2 as one GEMM and 9 shifted adds, and IN2 over the H x W keys. Queries run in
-    chunks of window rows; when there is more than one chunk the backward recomputes each
-    instead of keeping the (hidden, queries, H+2, W+2) activations, so memory stays at one
-    chunk's whatever the grid. Output: (heads, H*W, H*W) indexed [head, query, key].
+    channels-last canvas (2H+1, 2W+1, hidden), PP2 as a convolution over the queries as a batch,
+    and IN2 over the H x W keys. Queries run in chunks of window rows; when there is more than
+    one chunk the backward recomputes each instead of keeping the (queries, hidden, H+2, W+2)
+    activations, so memory stays at one chunk's whatever the grid. Output: (heads, H*W, H*W)
+    indexed [head, query, key].
     """
 
     @staticmethod
-    def forward(ctx, canvas, scale, shift, proj2, norm2_weight, norm2_bias):
-        hidden_dim, height, width = scale.shape
+    def forward(ctx, canvas, scale, shift, proj2_weight, norm2_weight, norm2_bias):
+        height, width, hidden_dim = scale.shape
         tokens = height * width
         chunks = _row_chunks(height, width, hidden_dim)
-        log_phi = canvas.new_empty(norm2_weight.shape[0], tokens, tokens)
+        heads = norm2_weight.shape[0]
+        log_phi = canvas.new_empty(heads, tokens, tokens)
         for rows in chunks:
-            activations = _chunk_forward(canvas, scale, shift, proj2, norm2_weight, norm2_bias, rows)
-            log_phi[:, _query_span(rows, height, width)] = activations[-1].flip(1)
-        ctx.save_for_backward(canvas, scale, shift, proj2, norm2_weight, norm2_bias)
+            activations = _chunk_forward(canvas, scale, shift, proj2_weight, norm2_weight, norm2_bias, rows)
+            span = log_phi[:, _query_span(rows, height, width)]
+            span.view(heads, -1, height, width).copy_(activations[-1].flip(0).transpose(0, 1))
+        ctx.save_for_backward(canvas, scale, shift, proj2_weight, norm2_weight, norm2_bias)
         ctx.activations = activations if len(chunks) == 1 else None
         return log_phi
 
     @staticmethod
     def backward(ctx, grad):
-        canvas, scale, shift, proj2, norm2_weight, norm2_bias = ctx.saved_tensors
-        hidden_dim, height, width = scale.shape
-        grad_canvas, grad_scale, grad_shift, grad_proj2 = map(torch.zeros_like, (canvas, scale, shift, proj2))
+        canvas, scale, shift, proj2_weight, norm2_weight, norm2_bias = ctx.saved_tensors
+        height, width, hidden_dim = scale.shape
+        heads = norm2_weight.shape[0]
+        grad_canvas, grad_scale, grad_shift, grad_proj2 = map(torch.zeros_like,
+                                                              (canvas, scale, shift, proj2_weight))
         grad_norm2_weight, grad_norm2_bias = map(torch.zeros_like, (norm2_weight, norm2_bias))
         windows = _windows(canvas, height, width)
         for rows in _row_chunks(height, width, hidden_dim):
             hidden, normed, inv_std, log_phi = ctx.activations or _chunk_forward(
-                canvas, scale, shift, proj2, norm2_weight, norm2_bias, rows)
-            queries = hidden.shape[1] * width
-            grad_logits = grad[:, _query_span(rows, height, width)].flip(1) * torch.expm1(log_phi).neg_()
-            grad_norm2_weight += (grad_logits * normed).sum((1, 2))
-            grad_norm2_bias += grad_logits.sum((1, 2))
+                canvas, scale, shift, proj2_weight, norm2_weight, norm2_bias, rows)
+            upstream = grad[:, _query_span(rows, height, width)].view(heads, -1, height, width)
+            grad_logits = upstream.transpose(0, 1).flip(0) * torch.expm1(log_phi).neg_()  # (q, heads, H, W)
+            grad_norm2_weight += (grad_logits * normed).sum((0, 2, 3))
+            grad_norm2_bias += grad_logits.sum((0, 2, 3))
             grad_normed = grad_logits.mul_(norm2_weight[:, None, None])
-            grad_maps = (grad_normed - grad_normed.mean(-1, keepdim=True)
-                         - normed * (grad_normed * normed).mean(-1, keepdim=True)).mul_(inv_std)
-            grad_products = _flipped_products_grad(grad_maps.view(-1, queries, height, width))
-            flat_hidden = hidden.view(hidden_dim, -1)
-            grad_proj2 += _flip_offsets(grad_products @ flat_hidden.t())
-            grad_hidden = (_flip_offsets(proj2).t() @ grad_products).mul_(flat_hidden > 0)  # through ReLU
-            grad_hidden = grad_hidden.view(hidden.shape)
-            chunk_windows = windows[:, rows]  # (hidden, r, W, H+2, W+2)
-            grad_scale[:, rows] = (grad_hidden * chunk_windows).sum((-2, -1))
-            grad_shift[:, rows] = grad_hidden.sum((-2, -1))
-            grad_windows = grad_hidden.mul_(scale[:, rows, :, None, None])
+            grad_maps = (grad_normed - grad_normed.mean((2, 3), keepdim=True)
+                         - normed * (grad_normed * normed).mean((2, 3), keepdim=True)).mul_(inv_std)
+            grad_hidden, grad_proj2_chunk, _ = torch.ops.aten.convolution_backward(
+                grad_maps.contiguous(memory_format=torch.channels_last), hidden, proj2_weight, None, (1, 1), (0, 0), (1, 1), False, (0, 0), 1, (True, True, False))
+            grad_proj2 += grad_proj2_chunk
+            grad_hidden = torch.ops.aten.threshold_backward(grad_hidden, hidden, 0)  # through ReLU
+            chunk_windows = windows[rows]  # (r, W, hidden, H+2, W+2)
+            grad_hidden = grad_hidden.view(chunk_windows.shape)
+            grad_scale[rows] = (grad_hidden * chunk_windows).sum((-2, -1))
+            grad_shift[rows] = grad_hidden.sum((-2, -1))
+            grad_windows = grad_hidden.mul_(scale[rows, :, :, None, None])
             covered = slice(rows.start, rows.stop + height + 1)
-            grad_canvas[:, covered] += _windows_adjoint(grad_windows, canvas[:, covered].shape)
+            grad_canvas[covered] += _windows_adjoint(grad_windows, canvas[covered].shape)
         ctx.activations = None
         return grad_canvas, grad_scale, grad_shift, grad_proj2, grad_norm2_weight, grad_norm2_bias
 
@@ -269,15 +250,14 @@ def peripheral_log_attention(height: int, width: int, weights: PeripheralWeights
     shifted, means, covariances = _grid_moments(height, width, w.proj1_weight.device)
     proj1 = w.proj1_weight.double()
     kernel = torch.einsum('orhw,r->ohw', proj1, w.distance_weight.double()[:, 0]).flatten(1)
-    canvas = torch.einsum('os,sxy->oxy', kernel, shifted)  # PP1: (hidden, 2H+1, 2W+1)
-    centre = canvas.mean((1, 2), keepdim=True)
-    mean = torch.einsum('os,shw->ohw', kernel, means)  # (hidden, H, W) by window start
-    var = torch.einsum('os,sthw,ot->ohw', kernel, covariances, kernel)
-    scale = w.norm1_weight.double()[:, None, None] * torch.rsqrt(var + NORM_EPS)
-    shift = w.norm1_bias.double()[:, None, None] - scale * (mean - centre)
-    proj2 = w.proj2_weight.permute(2, 3, 0, 1).reshape(-1, w.proj2_weight.shape[1])  # (9 * heads, hidden)
+    canvas = shifted @ kernel.t()  # PP1, channels last: (2H+1, 2W+1, hidden)
+    centre = canvas.mean((0, 1))
+    mean = means @ kernel.t()  # (H, W, hidden) by window start
+    var = ((covariances @ kernel.t()) * kernel.t()).sum(-2)  # (H, W, hidden)
+    scale = w.norm1_weight.double() * torch.rsqrt(var + NORM_EPS)
+    shift = w.norm1_bias.double() - scale * (mean - centre)
     return _LogPeripheralAttention.apply((canvas - centre).to(dtype), scale.to(dtype), shift.to(dtype),
-                                         proj2, w.norm2_weight, w.norm2_bias)
+                                         w.proj2_weight, w.norm2_weight, w.norm2_bias)
 
 
 class DistanceEmbedding(nn.Module):
