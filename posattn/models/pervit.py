@@ -30,6 +30,7 @@ from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint
 from einops import rearrange
 from torch import nn
@@ -37,12 +38,13 @@ from torch import nn
 from ..attention import Attention
 from ..grid import TokenGrid
 from ..phi.peg import PositionEncodingGenerator
-from ..phi.peripheral import DistanceEmbedding, PeripheralPhi
+from ..phi.none import NoPosition
+from ..phi.peripheral import DistanceEmbedding, PeripheralPhi, random_init_
 from ..window import GridWindows
 from .layers import ClassifierApi, DropPath, Mlp, take_indices
 from .registry import create_from_arch, register_model
 
-__all__ = ['PerViT', 'PerViTBlock', 'ConvStem', 'PERVIT_ARCHS', 'pervit_tiny', 'pervit_small',
+__all__ = ['PerViT', 'PerViTBlock', 'ConvStem', 'PatchStem', 'PERVIT_ARCHS', 'pervit_tiny', 'pervit_small',
            'pervit_medium']
 
 # Sizes by arch (paper Table A5): heads, channels and blocks per stage, conv-stem channels. The
@@ -53,6 +55,9 @@ PERVIT_ARCHS = {
     'medium': dict(num_heads=12, embed_dims=(312, 468, 540, 684), depths=(2, 2, 6, 2),
                    stem_dims=(64, 192, 256, 312)),
 }
+
+
+STEMS = ('conv', 'patch')  # ConvStem, PatchStem
 
 
 class ConvStem(nn.Module):
@@ -92,6 +97,30 @@ class ConvStem(nn.Module):
         return rearrange(x, 'b c h w -> b (h w) c'), TokenGrid(x.shape[-2], x.shape[-1])
 
 
+class PatchStem(nn.Module):
+    """A plain patch embedding (ViT, DeiT): one 16x16 stride-16 convolution, the stem of the
+    paper's ablation rows without the C-stem (Table 1 (d), (f), (h), (i)).
+
+    Images are zero-padded on the right and bottom to a multiple of 16, so that the grid is
+    ceil(H / 16) x ceil(W / 16), as with :class:`ConvStem`.
+    """
+
+    def __init__(self, in_chans: int, embed_dim: int, patch_size: int = 16):
+        super().__init__()
+        self.in_chans = in_chans
+        self.stride = patch_size
+        self.proj = nn.Conv2d(in_chans, embed_dim, patch_size, patch_size)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, TokenGrid]:
+        """Images (B, in_chans, H, W) -> tokens (B, h*w, embed_dim) and their h x w grid."""
+        if x.dim() != 4 or x.shape[1] != self.in_chans:
+            raise ValueError(f'expected images (B, {self.in_chans}, H, W), got shape {tuple(x.shape)}')
+        height, width = x.shape[-2:]
+        x = F.pad(x, (0, -width % self.stride, 0, -height % self.stride))
+        x = self.proj(x)
+        return rearrange(x, 'b c h w -> b (h w) c'), TokenGrid(x.shape[-2], x.shape[-1])
+
+
 class PerViTBlock(nn.Module):
     """x = x + DropPath(MPA(LN1(CPE(x)))), then x = res(x) + DropPath(MLP(LN2(x))) (the release's block).
 
@@ -99,19 +128,20 @@ class PerViTBlock(nn.Module):
         dim: token channels in.
         out_dim: token channels out; a different width adds the ``res`` Linear on the residual.
         num_heads: attention heads.
-        phi: this layer's peripheral Φp.
+        phi: this layer's Φp: peripheral, or :class:`~posattn.phi.none.NoPosition` (plain MHSA).
         drop_path: stochastic depth rate of both branches.
         window_size: None attends over the whole grid; ws attends within ws x ws windows, with Φp
             of the ws x ws grid.
+        cpe: the CPE convolution on the attention branch; False passes the tokens unchanged.
 
     The MLP is 4 * ``dim`` wide (DeiT's ratio, the release's).
     """
 
-    def __init__(self, dim: int, out_dim: int, num_heads: int, phi: PeripheralPhi, drop_path: float = 0.0,
-                 window_size: Optional[int] = None):
+    def __init__(self, dim: int, out_dim: int, num_heads: int, phi: Union[PeripheralPhi, NoPosition],
+                 drop_path: float = 0.0, window_size: Optional[int] = None, cpe: bool = True):
         super().__init__()
         self.window_size = window_size
-        self.cpe = PositionEncodingGenerator(dim, residual=False)
+        self.cpe = PositionEncodingGenerator(dim, residual=False) if cpe else NoPosition()
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = Attention(dim, num_heads, phi=phi, qkv_bias=False)
         self.drop_path1 = DropPath(drop_path)
@@ -155,13 +185,32 @@ class PerViT(ClassifierApi, nn.Module):
             (e.g. (3, 7, 11), one per quarter as in ViTDet).
         global_pool: 'avg' (the release's mean over tokens) or '' (no pooling: the head sees the
             (B, C, h, w) map, timm's convention).
+
+    The paper's ablations (docs/models.md lists each table row and its arguments); the defaults
+    build PerViT itself:
+        phi: 'peripheral' (Φp) or 'none' (plain MHSA, no position-based attention: Table 1 (b)).
+        phi_init: initialisation of every layer's Φp, 'peripheral', 'conv' or 'rand'
+            (:data:`posattn.phi.peripheral.PHI_INITS`; Table 5, top).
+        phi_trainable: False freezes every Φp and the distance embedding at their
+            initialisation (supplement Tab. A3).
+        stem: 'conv' (the convolutional stem, C-stem) or 'patch' (a 16x16 patch embedding,
+            :class:`PatchStem`: Table 1 (d)).
+        cpe: the CPE convolution before every attention layer (False: Table 1 (e)).
     """
 
     def __init__(self, embed_dims: Sequence[int] = (128, 192, 224, 280), depths: Sequence[int] = (2, 2, 6, 2),
                  num_heads: int = 4, stem_dims: Sequence[int] = (48, 64, 96, 128), in_chans: int = 3,
                  num_classes: int = 1000, drop_path_rate: float = 0.0, window_size: Optional[int] = None,
-                 global_blocks: Sequence[int] = (), global_pool: str = 'avg'):
+                 global_blocks: Sequence[int] = (), global_pool: str = 'avg', phi: str = 'peripheral',
+                 phi_init: str = 'peripheral', phi_trainable: bool = True, stem: str = 'conv', cpe: bool = True):
         super().__init__()
+        if phi not in ('peripheral', 'none'):
+            raise ValueError(f"PerViT's phi is 'peripheral' or 'none', got {phi!r}")
+        if phi == 'none' and (phi_init != 'peripheral' or not phi_trainable):
+            raise ValueError(f"phi_init={phi_init!r} and phi_trainable={phi_trainable} set up a peripheral Φp; "
+                             "with phi='none' there is none")
+        if stem not in STEMS:
+            raise ValueError(f'unknown stem {stem!r}; choose one of {sorted(STEMS)}')
         if len(embed_dims) != len(depths):
             raise ValueError(f'{len(embed_dims)} stage widths for {len(depths)} stages')
         bad = [d for d in embed_dims if d % num_heads]
@@ -180,18 +229,31 @@ class PerViT(ClassifierApi, nn.Module):
         self.num_features = self.head_hidden_size = embed_dims[-1]
         self.global_pool = self._checked_pool(global_pool)
         self.grad_checkpointing = False
-        self.stem = ConvStem(in_chans, stem_dims, embed_dims[0])
-        # Φp's w_r: one Linear(1, 4 * heads) for the whole model, as in the release.
-        self.distance_embedding = DistanceEmbedding(4 * num_heads)
+        self.stem = (ConvStem(in_chans, stem_dims, embed_dims[0]) if stem == 'conv'
+                     else PatchStem(in_chans, embed_dims[0]))
+        if phi == 'peripheral':
+            # Φp's w_r: one Linear(1, 4 * heads) for the whole model, as in the release.
+            self.distance_embedding = DistanceEmbedding(4 * num_heads)
+            if phi_init == 'rand':
+                random_init_(self.distance_embedding.weight)
         dims = [dim for dim, depth in zip(embed_dims, depths) for _ in range(depth)]
         out_dims = dims[1:] + dims[-1:]
         drop_paths = torch.linspace(0, drop_path_rate, num_layers, device='cpu').tolist()
+
+        def layer_phi(i: int) -> Union[PeripheralPhi, NoPosition]:
+            if phi == 'none':
+                return NoPosition()
+            return PeripheralPhi(num_heads, layer_index=i, num_layers=num_layers,
+                                 distance_embedding=self.distance_embedding, init=phi_init)
+
         self.blocks = nn.ModuleList([
-            PerViTBlock(dims[i], out_dims[i], num_heads,
-                        PeripheralPhi(num_heads, layer_index=i, num_layers=num_layers,
-                                      distance_embedding=self.distance_embedding),
-                        drop_paths[i], window_size=None if i in global_blocks else window_size)
+            PerViTBlock(dims[i], out_dims[i], num_heads, layer_phi(i), drop_paths[i],
+                        window_size=None if i in global_blocks else window_size, cpe=cpe)
             for i in range(num_layers)])
+        if not phi_trainable:
+            for name, parameter in self.named_parameters():
+                if name.startswith('distance_embedding.') or '.attn.phi.' in name:
+                    parameter.requires_grad_(False)
         self.norm = nn.LayerNorm(self.num_features, eps=1e-6)
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
         self.feature_info = [dict(module=f'blocks.{i}', num_chs=out_dims[i], reduction=self.stem.stride)

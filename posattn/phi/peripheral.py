@@ -35,7 +35,8 @@ from ..grid import TokenGrid
 from .base import PositionalModule
 from .registry import register_phi
 
-__all__ = ['PeripheralPhi', 'PeripheralWeights', 'DistanceEmbedding', 'peripheral_init', 'peripheral_log_attention']
+__all__ = ['PeripheralPhi', 'PeripheralWeights', 'DistanceEmbedding', 'PHI_INITS', 'conv_init', 'peripheral_init',
+           'peripheral_log_attention', 'random_init_']
 
 KERNEL_SIZE = 3  # PP1 and PP2; keys are padded by 2 so that both valid convolutions end on H x W
 NORM_EPS = 1e-5
@@ -56,6 +57,27 @@ def peripheral_init(layer_index: int, num_layers: int) -> Tuple[float, float]:
     bias = torch.linspace(-5.0, 4.0, num_layers, dtype=torch.float64, device='cpu')[layer_index].item()
     weight = torch.linspace(3.0, 0.01, num_layers, dtype=torch.float64, device='cpu')[layer_index].item()
     return bias, weight
+
+
+def conv_init(layer_index: int, num_layers: int) -> Tuple[float, float]:
+    """The paper's "conv" initialisation (Table 5): s_l = -5, v_l = 3 in every layer, the first
+    layer's peripheral values (small, strong, local attention everywhere)."""
+    if not 0 <= layer_index < num_layers:
+        raise ValueError(f'layer_index {layer_index} is outside 0..{num_layers - 1}')
+    return -5.0, 3.0
+
+
+def random_init_(parameter: torch.Tensor) -> torch.Tensor:
+    """The paper's "rand" initialisation of one Φp parameter, in place: N(0, 1) truncated to
+    [-2, 2]. The paper does not state a distribution; the instance norms after the distance
+    embedding and each projection make Φp independent of their weights' scale."""
+    with torch.no_grad():
+        return nn.init.trunc_normal_(parameter, std=1.0, a=-2.0, b=2.0)
+
+
+# Φp initialisations of the paper's Table 5 (top) and supplement Tab. A3: the second norm's
+# (s_l, v_l) by layer, or None where every parameter is drawn by :func:`random_init_`.
+PHI_INITS = {'peripheral': peripheral_init, 'conv': conv_init, 'rand': None}
 
 
 def _axis_offsets(length: int) -> torch.Tensor:
@@ -204,8 +226,9 @@ class _LogPeripheralAttention(torch.autograd.Function):
             grad_normed = grad_logits.mul_(norm2_weight[:, None, None])
             grad_maps = (grad_normed - grad_normed.mean((2, 3), keepdim=True)
                          - normed * (grad_normed * normed).mean((2, 3), keepdim=True)).mul_(inv_std)
-            grad_hidden, grad_proj2_chunk, _ = torch.ops.aten.convolution_backward(
-                grad_maps.contiguous(memory_format=torch.channels_last), hidden, proj2_weight, None, (1, 1), (0, 0), (1, 1), False, (0, 0), 1, (True, True, False))
+            grad_hidden, grad_proj2_chunk, _ = torch.ops.aten.convolution_backward(  # PP2's, in one call
+                grad_maps.contiguous(memory_format=torch.channels_last), hidden, proj2_weight, None,
+                (1, 1), (0, 0), (1, 1), False, (0, 0), 1, (True, True, False))
             grad_proj2 += grad_proj2_chunk
             grad_hidden = torch.ops.aten.threshold_backward(grad_hidden, hidden, 0)  # through ReLU
             chunk_windows = windows[rows]  # (r, W, hidden, H+2, W+2)
@@ -292,11 +315,16 @@ class PeripheralPhi(PositionalModule):
         distance_embedding: a :class:`DistanceEmbedding` shared with other layers (the release
             shares one per model). The owner registers it; this module does not, so a model's
             state_dict holds it once. None creates one owned by this module.
+        init: 'peripheral' (the release's, by layer), 'conv' (s = -5, v = 3 in every layer) or
+            'rand' (every parameter random, :func:`random_init_`; a shared distance embedding
+            is its owner's to initialise): the initialisations of the paper's Table 5.
     """
 
     def __init__(self, num_heads: int, layer_index: int = 0, num_layers: int = 1,
-                 distance_embedding: Optional[DistanceEmbedding] = None):
+                 distance_embedding: Optional[DistanceEmbedding] = None, init: str = 'peripheral'):
         super().__init__()
+        if init not in PHI_INITS:
+            raise ValueError(f'unknown Φp initialisation {init!r}; choose one of {sorted(PHI_INITS)}')
         channels = 4 * num_heads
         if distance_embedding is None:
             self.distance_embedding = DistanceEmbedding(channels)
@@ -306,7 +334,8 @@ class PeripheralPhi(PositionalModule):
                                  f'{channels} scales, got {distance_embedding.weight.shape[0]}')
             object.__setattr__(self, 'distance_embedding', distance_embedding)  # not registered here
         self.num_heads = num_heads
-        size, strength = peripheral_init(layer_index, num_layers)
+        self.init = init
+        size, strength = (PHI_INITS[init] or peripheral_init)(layer_index, num_layers)
         k = KERNEL_SIZE
         # No PP1 / PP2 biases: each adds a constant that the next instance norm removes.
         self.proj1_weight = nn.Parameter(torch.full((channels, channels, k, k), 0.02))
@@ -315,6 +344,9 @@ class PeripheralPhi(PositionalModule):
         self.proj2_weight = nn.Parameter(torch.full((num_heads, channels, k, k), 0.02))
         self.norm2_weight = nn.Parameter(torch.full((num_heads,), strength))  # v_l: strength
         self.norm2_bias = nn.Parameter(torch.full((num_heads,), size))  # s_l: size
+        if PHI_INITS[init] is None:
+            for parameter in self.parameters():  # the distance embedding too where this module owns it
+                random_init_(parameter)
         self._cache = ParameterValueCache(_CACHE_ENTRIES)
 
     def weights(self) -> PeripheralWeights:
@@ -350,4 +382,4 @@ class PeripheralPhi(PositionalModule):
         return super().train(mode)
 
     def extra_repr(self) -> str:
-        return f'num_heads={self.num_heads}'
+        return f'num_heads={self.num_heads}' + ('' if self.init == 'peripheral' else f', init={self.init!r}')
