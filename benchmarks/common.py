@@ -110,3 +110,52 @@ def save_json(name: str, payload: Mapping[str, object]) -> Path:
     path = RESULTS / f'{name}.json'
     path.write_text(json.dumps({'machine': machine(), **payload}, indent=2) + '\n')
     return path
+
+
+# Where a step's time goes: each top-level op of the profile (an op called from Python, or one
+# that autograd's engine runs for a backward node) counted whole, with what it calls, under the
+# first category whose name part its name contains.
+STEP_CATEGORIES = (
+    ('peripheral Φp', ('LogPeripheralAttention',)),
+    ('attention (q k^T, softmax, A v)', ('BiasedAttention', 'scaled_dot_product', 'ScaledDotProduct',
+                                         'attention', 'Softmax', 'softmax', 'Bmm', 'bmm')),
+    ('optimizer', ('Optimizer',)),
+    ('convolutions', ('onvolution', 'conv')),
+    ('linear layers', ('linear', 'Addmm', 'addmm', 'MmBackward', 'aten::mm', 'aten::matmul')),
+    ('norms', ('norm', 'Norm')),
+)
+
+
+def step_profile(fn: Callable[[], object], steps: int = 2,
+                 categories: Sequence = STEP_CATEGORIES) -> Dict[str, float]:
+    """Milliseconds per call of ``fn`` by category (:data:`STEP_CATEGORIES`, then 'other':
+    activations, element-wise ops, reshapes, copies), from the CPU profiler; 'total' is the sum.
+    The profiler's own overhead is in every category, so compare the shares, not the totals,
+    with untraced timings."""
+    fn()  # warm up lazily created state outside the profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            fn()
+    spent = {name: 0.0 for name, _ in categories}
+    spent['other'] = 0.0
+    for event in prof.events():
+        if event.cpu_parent is not None:
+            continue
+        name = next((label for label, parts in categories if any(p in event.name for p in parts)), 'other')
+        spent[name] += event.cpu_time_total / 1e3 / steps
+    spent['total'] = sum(spent.values())
+    return spent
+
+
+def op_profile(fn: Callable[[], object], steps: int = 2, top: int = 12) -> List[Dict[str, object]]:
+    """The ``top`` ops of a call of ``fn`` by their own time (the CPU profiler, what they call
+    excluded): op, calls and milliseconds per call of ``fn``, share of the total."""
+    fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            fn()
+    averages = prof.key_averages()
+    total = sum(a.self_cpu_time_total for a in averages)
+    ranked = sorted(averages, key=lambda a: a.self_cpu_time_total, reverse=True)[:top]
+    return [{'op': a.key, 'calls': a.count / steps, 'self ms': a.self_cpu_time_total / 1e3 / steps,
+             'share': a.self_cpu_time_total / total} for a in ranked]

@@ -11,8 +11,11 @@ recomputed every forward, as while training), for each image size:
   the CPE convolutions kept, so the difference is Φp's cost); peripheral with ``with_cp``;
 - Φp alone, one layer (4 heads), on the window grid and on the whole grid of the global blocks:
   forward without grad (eval, before the per-grid cache holds it), forward + backward;
-- peak memory of each (CPU: allocator events; CUDA: the allocator's peak).
-Prints two tables and saves ``benchmarks/results/dense-<device>-<dtype>.json``.
+- peak memory of each (CPU: allocator events; CUDA: the allocator's peak);
+- where the forward + backward of the peripheral and ``none`` backbones spend their time, by
+  kind of op (the CPU profiler, a separate run: ``common.step_profile``).
+Targets, peripheral / none backbone time: <= 1.4x at 512 x 512, <= 2.5x at 800 x 1344.
+Prints the tables and saves ``benchmarks/results/dense-<device>-<dtype>.json``.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from common import peak_memory_mb, print_table, save_json, time_interleaved
+from common import peak_memory_mb, print_table, save_json, step_profile, time_interleaved
 
 import posattn
 from posattn_openmmlab.backbones import PosattnPerViT
@@ -30,6 +33,8 @@ from posattn.phi.peripheral import PeripheralPhi
 
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16}
 STEM_STRIDE = 16
+# Backbone fwd+bwd time, peripheral / none, by image size.
+TARGETS = {(512, 512): 1.4, (800, 1344): 2.5}
 
 
 def image_size(text: str) -> Tuple[int, int]:
@@ -82,11 +87,27 @@ def backbone_rows(args, size: Tuple[int, int], models: Dict[str, PosattnPerViT],
     fns = {name: forward_backward(model, images, autocast) for name, model in models.items()}
     times = time_interleaved(fns, repeat=args.repeat, warmup=args.warmup, device=args.device)
     rows = []
+    limit = TARGETS.get(tuple(size))
     for name, fn in fns.items():
+        ratio = times[name] / times['none']
+        checked = name == 'peripheral' and limit is not None
         rows.append({'size': f'{size[0]}x{size[1]}', 'batch': args.batch, 'Φp': name, 'fwd+bwd ms': times[name],
                      'peak MiB': peak_memory_mb(fn, args.device) if args.memory else None,
-                     'vs none': times[name] / times['none']})
+                     'vs none': ratio, 'target': f'<= {limit}x' if checked else '',
+                     'met': ratio <= limit if checked else ''})
     return rows
+
+
+def profile_rows(args, size: Tuple[int, int], models: Dict[str, PosattnPerViT], autocast) -> List[Dict[str, object]]:
+    """Milliseconds of the peripheral and ``none`` backbones' forward + backward by kind of op."""
+    images = torch.randn(args.batch, 3, *size, device=args.device)
+    spent = {name: step_profile(forward_backward(models[name], images, autocast), steps=1)
+             for name in ('peripheral', 'none')}
+    difference = spent['peripheral']['total'] - spent['none']['total']
+    return [{'size': f'{size[0]}x{size[1]}', 'ops': category, 'peripheral ms': spent['peripheral'][category],
+             'none ms': spent['none'][category],
+             'share of the difference': (spent['peripheral'][category] - spent['none'][category]) / difference}
+            for category in spent['peripheral']]
 
 
 def phi_rows(args, size: Tuple[int, int], phi: PeripheralPhi) -> List[Dict[str, object]]:
@@ -114,26 +135,35 @@ def main() -> None:
     parser.add_argument('--repeat', type=int, default=3)
     parser.add_argument('--warmup', type=int, default=1)
     parser.add_argument('--no-memory', dest='memory', action='store_false', help='skip peak-memory runs')
+    parser.add_argument('--no-profile', dest='profile', action='store_false',
+                        help='skip the profile of where the backbones spend their time')
     args = parser.parse_args()
     autocast = torch.autocast(args.device.type, dtype=DTYPES[args.dtype], enabled=args.dtype != 'fp32')
     models = {name: model.to(args.device) for name, model in backbones(args).items()}
     phi = models['peripheral'].model.blocks[args.global_blocks[0] if args.global_blocks else 0].attn.phi
-    rows, phis = [], []
+    rows, phis, profiles = [], [], []
     for size in args.sizes:
         rows += backbone_rows(args, size, models, autocast)
         phis += phi_rows(args, size, phi)
+        if args.profile:
+            profiles += profile_rows(args, size, models, autocast)
     print(f'PerViT-T backbone, {args.window_size}x{args.window_size} windows, global blocks {args.global_blocks}, '
           f'{args.dtype} on {args.device}, {torch.get_num_threads()} threads, torch {torch.__version__}, '
           f'median of {args.repeat} rounds')
-    print_table(rows, ['size', 'batch', 'Φp', 'fwd+bwd ms', 'peak MiB', 'vs none'])
+    print_table(rows, ['size', 'batch', 'Φp', 'fwd+bwd ms', 'peak MiB', 'vs none', 'target', 'met'])
     print()
     print(f'Φp of one layer ({phi.num_heads} heads), no batch dimension')
     print_table(phis, ['size', 'layer', 'grid', 'Φp values M', 'task', 'ms', 'peak MiB'])
+    if profiles:
+        print()
+        print('Where the backbone forward + backward goes (CPU profiler, ms; its overhead included):')
+        print_table(profiles, ['size', 'ops', 'peripheral ms', 'none ms', 'share of the difference'])
     path = save_json(f'dense-{args.device.type}-{args.dtype}', {
         'settings': {'sizes': [f'{h}x{w}' for h, w in args.sizes], 'batch': args.batch, 'dtype': args.dtype,
                      'device': str(args.device), 'window_size': args.window_size,
-                     'global_blocks': args.global_blocks, 'repeat': args.repeat, 'warmup': args.warmup},
-        'backbone': rows, 'phi': phis})
+                     'global_blocks': args.global_blocks, 'repeat': args.repeat, 'warmup': args.warmup,
+                     'profile': args.profile},
+        'backbone': rows, 'phi': phis, 'profile': profiles})
     print(f'saved {path}')
 
 

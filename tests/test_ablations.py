@@ -107,7 +107,8 @@ def test_phi_initialisations():
     peripheral = second_norms(build(phi_init='peripheral'))
     for i, (size, strength) in enumerate(peripheral):
         expected_size, expected_strength = peripheral_init(i, layers)
-        assert torch.equal(size, torch.full((4,), expected_size)) and torch.equal(strength, torch.full((4,), expected_strength))
+        assert torch.equal(size, torch.full((4,), expected_size))
+        assert torch.equal(strength, torch.full((4,), expected_strength))
     assert all(torch.equal(size, torch.full((4,), -5.0)) and torch.equal(strength, torch.full((4,), 3.0))
                for size, strength in second_norms(build(phi_init='conv')))
     rand = build(phi_init='rand')
