@@ -180,8 +180,63 @@ ROWS = {
 }
 
 
+SUBSAMPLED = {'pervit-s_imagenet-50pct.py': (0.5, 600, 10), 'pervit-s_imagenet-25pct.py': (0.25, 1200, 20)}
+
+
 def test_every_ablation_config_is_listed():
-    assert sorted(p.name for p in (REPO / 'configs' / 'ablations').glob('*.py')) == sorted(ROWS)
+    assert sorted(p.name for p in (REPO / 'configs' / 'ablations').glob('*.py')) == sorted([*ROWS, *SUBSAMPLED])
+
+
+def test_subsampled_dataset_keeps_a_seeded_fraction_of_every_class():
+    import numpy as np
+    from mmpretrain.registry import DATASETS
+    import posattn_openmmlab  # noqa: F401 (registers the datasets)
+    full_cfg = dict(type='PositionalShapes', split='train', num_images=300, img_size=50)
+    full = DATASETS.build(full_cfg)
+    half = DATASETS.build(dict(type='SubsampledDataset', fraction=0.5, seed=3, dataset=full_cfg))
+    labels, kept = np.asarray(full.get_gt_labels()), np.asarray(half.get_gt_labels())
+    for label in np.unique(labels):
+        assert (kept == label).sum() == round(0.5 * (labels == label).sum())
+    assert len(set(half.indices.tolist())) == len(half) and half.metainfo == full.metainfo
+    for i in (0, len(half) - 1):
+        assert np.array_equal(half[i]['img'], full[int(half.indices[i])]['img'])
+        assert half.get_cat_ids(i) == [int(labels[half.indices[i]])]
+    again = DATASETS.build(dict(type='SubsampledDataset', fraction=0.5, seed=3, dataset=full_cfg))
+    other = DATASETS.build(dict(type='SubsampledDataset', fraction=0.5, seed=4, dataset=full_cfg))
+    assert np.array_equal(again.indices, half.indices) and not np.array_equal(other.indices, half.indices)
+    tiny = DATASETS.build(dict(type='SubsampledDataset', fraction=1e-6, dataset=full))
+    assert sorted(tiny.get_gt_labels().tolist()) == sorted(np.unique(labels).tolist())  # one image a class
+    for fraction in (0, 1.5):
+        with pytest.raises(ValueError, match='fraction must be in'):
+            DATASETS.build(dict(type='SubsampledDataset', fraction=fraction, dataset=full))
+
+
+@pytest.mark.parametrize('name', sorted(SUBSAMPLED))
+def test_subsampled_config_is_pervit_s_on_part_of_imagenet_for_as_many_images(name):
+    from mmengine.config import Config
+    fraction, epochs, warmup = SUBSAMPLED[name]
+    base = Config.fromfile(REPO / 'configs' / 'pervit_s_imagenet.py').to_dict()
+    cfg = Config.fromfile(REPO / 'configs' / 'ablations' / name).to_dict()
+    expected = copy.deepcopy(base)
+    expected['train_dataloader']['dataset'] = dict(type='SubsampledDataset', fraction=fraction, seed=0,
+                                                   dataset=base['train_dataloader']['dataset'])
+    expected['train_cfg']['max_epochs'] = epochs
+    for scheduler, key in zip(expected['param_scheduler'], ('end', 'begin')):
+        scheduler[key] = warmup
+    assert cfg == expected
+    assert fraction * epochs == base['train_cfg']['max_epochs'] and fraction * warmup == 5
+    # the config's loader (DeiT's repeated-augmentation sampler) over the wrapper, on embedded images
+    from mmengine.registry import init_default_scope
+    from mmengine.runner import Runner
+    import posattn_openmmlab  # noqa: F401
+    init_default_scope(cfg['default_scope'])
+    loader_cfg = copy.deepcopy(cfg['train_dataloader'])
+    loader_cfg.update(batch_size=4, num_workers=0, persistent_workers=False)
+    loader_cfg['dataset']['dataset'] = dict(type='PositionalShapes', num_images=200, pipeline=[dict(type='PackInputs')])
+    loader = Runner.build_dataloader(loader_cfg, seed=0)
+    assert abs(len(loader.dataset) - 200 * fraction) < 6  # rounded per class, 6 classes
+    batch = next(iter(loader))
+    assert len(batch['inputs']) == 4 and len(batch['data_samples']) == 4
 
 
 def paper_gmac(backbone):
