@@ -147,11 +147,12 @@ def plugin_rows(args) -> List[Dict[str, object]]:
 
 def profile_rows(args) -> Dict[str, List[Dict[str, object]]]:
     """Per grid: the layer fwd+bwd by kind of op (peripheral, none), and Φp's top ops."""
+    autocast = torch.autocast(args.device.type, dtype=DTYPES[args.dtype], enabled=args.dtype != 'fp32')
     layers, phi_ops = [], []
     for size in args.grids:
         grid = TokenGrid(size, size)
         attention = {phi: Attention(args.dim, args.heads, phi=phi).to(args.device) for phi in ('peripheral', 'none')}
-        steps = layer_steps(attention, grid, args, torch.autocast(args.device.type, enabled=False))
+        steps = layer_steps(attention, grid, args, autocast)
         spent = {phi: step_profile(step, steps=3) for phi, step in steps.items()}
         difference = spent['peripheral']['total'] - spent['none']['total']
         layers += [{'grid': f'{size}x{size}', 'ops': category, 'peripheral ms': spent['peripheral'][category],

@@ -251,9 +251,8 @@ class PerViT(ClassifierApi, nn.Module):
                         window_size=None if i in global_blocks else window_size, cpe=cpe)
             for i in range(num_layers)])
         if not phi_trainable:
-            for name, parameter in self.named_parameters():
-                if name.startswith('distance_embedding.') or '.attn.phi.' in name:
-                    parameter.requires_grad_(False)
+            for module in (self.distance_embedding, *(block.attn.phi for block in self.blocks)):
+                module.requires_grad_(False)
         self.norm = nn.LayerNorm(self.num_features, eps=1e-6)
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
         self.feature_info = [dict(module=f'blocks.{i}', num_chs=out_dims[i], reduction=self.stem.stride)

@@ -45,6 +45,11 @@ _CHUNK_ELEMENTS = 1 << 20
 _CACHE_ENTRIES = 4
 
 
+def _check_layer(layer_index: int, num_layers: int) -> None:
+    if not 0 <= layer_index < num_layers:
+        raise ValueError(f'layer_index {layer_index} is outside 0..{num_layers - 1}')
+
+
 def peripheral_init(layer_index: int, num_layers: int) -> Tuple[float, float]:
     """The release's second-norm initialisation (s_l, v_l) of layer ``layer_index`` of ``num_layers``.
 
@@ -52,8 +57,7 @@ def peripheral_init(layer_index: int, num_layers: int) -> Tuple[float, float]:
     the initial local attention (PerViT Sec. 3.2 and Appendix A): early layers start local and
     strong, late layers near uniform.
     """
-    if not 0 <= layer_index < num_layers:
-        raise ValueError(f'layer_index {layer_index} is outside 0..{num_layers - 1}')
+    _check_layer(layer_index, num_layers)
     bias = torch.linspace(-5.0, 4.0, num_layers, dtype=torch.float64, device='cpu')[layer_index].item()
     weight = torch.linspace(3.0, 0.01, num_layers, dtype=torch.float64, device='cpu')[layer_index].item()
     return bias, weight
@@ -62,8 +66,7 @@ def peripheral_init(layer_index: int, num_layers: int) -> Tuple[float, float]:
 def conv_init(layer_index: int, num_layers: int) -> Tuple[float, float]:
     """The paper's "conv" initialisation (Table 5): s_l = -5, v_l = 3 in every layer, the first
     layer's peripheral values (small, strong, local attention everywhere)."""
-    if not 0 <= layer_index < num_layers:
-        raise ValueError(f'layer_index {layer_index} is outside 0..{num_layers - 1}')
+    _check_layer(layer_index, num_layers)
     return -5.0, 3.0
 
 
