@@ -56,12 +56,16 @@ class Attention(nn.Module):
         qk_norm: normalise each head's queries and keys (``q_norm``, ``k_norm``: timm's names and
             placement, Dehghani et al. 2023) before the logits and the Φp.
         norm_layer: the normalisation ``qk_norm`` uses, called with ``head_dim``.
+        content: False leaves out the content term q k^T (PerViT Table 1 (c), "without Φc"):
+            A_h = softmax(b_h), attention by position alone. The layer then projects only the
+            values (``v``: Linear dim -> dim, no ``qkv``), and its Φp must give a logits bias.
     """
 
     def __init__(self, dim: int, num_heads: int, phi: Union[str, PositionalModule] = 'none',
                  phi_cfg: Optional[Mapping[str, Any]] = None, qkv_bias: bool = True,
                  attn_drop: float = 0.0, proj_drop: float = 0.0, num_prefix_tokens: int = 0,
-                 qk_norm: bool = False, norm_layer: Callable[[int], nn.Module] = nn.LayerNorm):
+                 qk_norm: bool = False, norm_layer: Callable[[int], nn.Module] = nn.LayerNorm,
+                 content: bool = True):
         super().__init__()
         if num_heads < 1 or dim % num_heads:
             raise ValueError(f'dim {dim} is not divisible by num_heads {num_heads}')
@@ -75,7 +79,12 @@ class Attention(nn.Module):
         else:
             self.phi = build_layer_phi(phi, phi_cfg, dim=dim, num_heads=num_heads,
                                        num_prefix_tokens=num_prefix_tokens)
-        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        if not content and (qk_norm or type(self.phi).logits_bias is PositionalModule.logits_bias):
+            raise ValueError('content=False attends by the Φp\'s logits bias alone: it needs a Φp that '
+                             f'gives one (not {type(self.phi).__name__}) and no qk_norm')
+        self.content = content
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias) if content else None
+        self.v = None if content else nn.Linear(dim, dim, bias=qkv_bias)
         self.q_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
         self.k_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
         self.attn_drop = nn.Dropout(attn_drop)
@@ -92,9 +101,21 @@ class Attention(nn.Module):
         """
         grid = self.grid_of(x, hw)
         x = self.phi.tokens(x, grid)
-        q, k, v = self.split_heads(self.qkv(x))
+        if self.content:
+            q, k, v = self.split_heads(self.qkv(x))
+        else:
+            v = rearrange(self.v(x), 'b n (h d) -> b h n d', h=self.num_heads)
+            q = k = self._no_content(v)
         out = self.attend(q, k, v, grid, key_mask)
         return self.proj_drop(self.proj(out))
+
+    @staticmethod
+    def _no_content(v: torch.Tensor) -> torch.Tensor:
+        """Queries and keys of a position-only layer: one zero channel (B, heads, N, 1), a
+        broadcast view, so that q k^T = 0 and the softmax, the Φp and the logits probe see the
+        Φp's bias alone (analyses then read Φc as uniform)."""
+        batch, heads, tokens, _ = v.shape
+        return v.new_zeros(1, heads, tokens, 1).expand(batch, -1, -1, -1)
 
     def grid_of(self, x: torch.Tensor, hw: GridLike) -> TokenGrid:
         """The :class:`TokenGrid` of ``x`` (B, N, C), checked against its channels, dtype and N."""
@@ -144,4 +165,5 @@ class Attention(nn.Module):
                            'torch.export.export(model, (example_input,)) for a graph')
 
     def extra_repr(self) -> str:
-        return f'num_heads={self.num_heads}, head_dim={self.head_dim}, num_prefix_tokens={self.num_prefix_tokens}'
+        return (f'num_heads={self.num_heads}, head_dim={self.head_dim}, num_prefix_tokens={self.num_prefix_tokens}'
+                + ('' if self.content else ', content=False'))

@@ -9,8 +9,8 @@ config (or importing it in a script) does eight things:
 * registers ``ParamwiseSummaryOptimWrapperConstructor`` in mmengine's root
   ``OPTIM_WRAPPER_CONSTRUCTORS`` (:mod:`.optim`): mmengine's default constructor, whose log
   states ``paramwise_cfg`` in a few lines instead of one per parameter;
-* registers the datasets ``PositionalShapes`` (the embedded set) and ``CheckedImageNet`` in
-  mmpretrain's ``DATASETS`` (:mod:`.datasets`);
+* registers the datasets ``PositionalShapes`` (the embedded set), ``CheckedImageNet``,
+  ``INaturalist2019`` and ``SubsampledDataset`` in mmpretrain's ``DATASETS`` (:mod:`.datasets`);
 * makes mmengine load local checkpoints weights-only with an allow-list of its own types, so
   resume, ``load_from`` and testing work on torch >= 2.6 (:mod:`.checkpoint`);
 * makes mmengine write local files atomically, so a killed run never leaves a truncated

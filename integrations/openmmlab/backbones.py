@@ -305,7 +305,8 @@ class PosattnPerViT(_TokenBackbone):
         init_cfg: mmengine init config; ``type='Pretrained'`` reads posattn or PerViT-release
             checkpoints (``prefix`` for a part of one; the classifier is not loaded;
             ``strict=False`` for a partial load).
-        phi, phi_init, phi_trainable, stem, cpe: the paper's ablations, as
+        phi, phi_init, phi_trainable, stem, cpe, content, phi_embedding, phi_neighbourhood,
+        phi_multi_layer: the paper's ablations, as
             :class:`posattn.models.pervit.PerViT` takes them; the defaults build PerViT.
 
     ``out_channels`` lists the channels of each output, for necks (e.g. mmdet's FPN ``in_channels``).
@@ -317,7 +318,9 @@ class PosattnPerViT(_TokenBackbone):
                  out_type: str = 'featmap', frozen_stages: int = -1, norm_eval: bool = False,
                  drop_path_rate: float = 0.0, window_size: Optional[int] = None, global_blocks: Sequence[int] = (),
                  with_cp: bool = False, init_cfg: Optional[Union[dict, list]] = None, phi: str = 'peripheral',
-                 phi_init: str = 'peripheral', phi_trainable: bool = True, stem: str = 'conv', cpe: bool = True):
+                 phi_init: str = 'peripheral', phi_trainable: bool = True, stem: str = 'conv', cpe: bool = True,
+                 content: bool = True, phi_embedding: str = 'euc', phi_neighbourhood: bool = True,
+                 phi_multi_layer: bool = True):
         super().__init__(init_cfg=copy.deepcopy(init_cfg))
         if _check_out_type(out_type) == 'cls_token':
             raise ValueError("out_type='cls_token': PerViT has no class token; use 'avg_featmap' for the pooled "
@@ -325,7 +328,8 @@ class PosattnPerViT(_TokenBackbone):
         arch = _resolve_arch(arch, PERVIT_ARCH_ZOO, self.ARCH_KEYS)
         self.model = PerViT(**arch, num_classes=0, drop_path_rate=drop_path_rate, window_size=window_size,
                             global_blocks=global_blocks, phi=phi, phi_init=phi_init, phi_trainable=phi_trainable,
-                            stem=stem, cpe=cpe)
+                            stem=stem, cpe=cpe, content=content, phi_embedding=phi_embedding,
+                            phi_neighbourhood=phi_neighbourhood, phi_multi_layer=phi_multi_layer)
         self.stage_ends = torch.tensor(arch['depths']).cumsum(0).tolist()
         if not -1 <= frozen_stages <= len(self.stage_ends):
             raise ValueError(f'frozen_stages must be in -1..{len(self.stage_ends)} (the stages of depths '

@@ -1,7 +1,9 @@
 """mmpretrain datasets: the embedded positional-shapes set, ImageNet with a clear error when absent,
-and a class-balanced subsample of any classification dataset."""
+iNaturalist 2019 in its published layout, and a class-balanced subsample of any classification
+dataset."""
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, List, Mapping, Optional, Union
 
@@ -12,11 +14,13 @@ from mmpretrain.registry import DATASETS
 from .data_checks import require_data
 from .shapes import CLASSES, render_shapes
 
-__all__ = ['PositionalShapes', 'CheckedImageNet', 'SubsampledDataset']
+__all__ = ['PositionalShapes', 'CheckedImageNet', 'INaturalist2019', 'SubsampledDataset']
 
 EMBEDDED_CONFIG = 'configs/pervit_t_shapes.py'
 IMAGENET_LAYOUT = """  {data_root}/train/<wnid>/*.JPEG  (e.g. train/n01440764/n01440764_10026.JPEG)
   {data_root}/val/<wnid>/*.JPEG, or val/*.JPEG with meta/val.txt (mmpretrain's layout)"""
+INATURALIST_LAYOUT = """  {data_root}/train2019.json, {data_root}/val2019.json  (images, annotations, categories)
+  {data_root}/train_val2019/<supercategory>/<category id>/*.jpg  (the file_name of each image)"""
 
 
 @DATASETS.register_module()
@@ -72,6 +76,55 @@ class CheckedImageNet(ImageNet):
         if data_prefix is not None:
             kwargs['data_prefix'] = data_prefix
         super().__init__(**kwargs)
+
+
+@DATASETS.register_module()
+class INaturalist2019(BaseDataset):
+    """iNaturalist 2019 (the FGVC6 species challenge, 1,010 classes) as it is published: one JSON
+    per split in COCO's style, whose ``images`` name their files relative to the data root, whose
+    ``annotations`` give each image one ``category_id``, and whose ``categories`` name the species.
+    Labels are the category ids in sorted order (0..1009 as published); ``classes`` their names.
+    Layout: :data:`INATURALIST_LAYOUT`. The transfer study of PerViT (supplement Tab. A4) fine-tunes
+    on it.
+
+    Args:
+        data_root: the folder holding the JSON files and the image folder.
+        split: 'train' or 'val' (the published test split has no labels).
+    """
+    SPLITS = ('train', 'val')
+
+    def __init__(self, data_root: str = '', split: str = 'train', **kwargs: Any):
+        if split not in self.SPLITS:
+            raise ValueError(f'iNaturalist 2019 split must be one of {self.SPLITS} (the test split has no '
+                             f'labels), got {split!r}')
+        ann_file = f'{split}2019.json'
+        require_data(os.path.join(data_root, ann_file), f'iNaturalist 2019 {split} annotations',
+                     INATURALIST_LAYOUT.format(data_root=data_root or '.'),
+                     'train_dataloader.dataset.data_root=/path/ (and val_dataloader.dataset.data_root)',
+                     EMBEDDED_CONFIG)
+        super().__init__(ann_file=ann_file, data_root=data_root, **kwargs)
+
+    def load_data_list(self) -> List[dict]:
+        with open(self.ann_file) as f:
+            record = json.load(f)
+        categories = sorted(record['categories'], key=lambda category: category['id'])
+        label_of = {category['id']: label for label, category in enumerate(categories)}
+        self._metainfo.setdefault('classes', tuple(category['name'] for category in categories))
+        files = {image['id']: image['file_name'] for image in record['images']}
+        labels = {}
+        for annotation in record['annotations']:
+            if annotation['image_id'] in labels:
+                raise ValueError(f'{self.ann_file}: image {annotation["image_id"]} has more than one annotation')
+            if annotation['category_id'] not in label_of:
+                raise ValueError(f'{self.ann_file}: image {annotation["image_id"]} has category '
+                                 f'{annotation["category_id"]}, which is not among its categories')
+            labels[annotation['image_id']] = label_of[annotation['category_id']]
+        unlabelled = [image_id for image_id in files if image_id not in labels]
+        if unlabelled:
+            raise ValueError(f'{self.ann_file}: {len(unlabelled)} images have no annotation (e.g. image '
+                             f'{unlabelled[0]}); the test split has no labels to train or evaluate on')
+        return [dict(img_path=os.path.join(self.data_root, files[image_id]), gt_label=label)
+                for image_id, label in labels.items()]
 
 
 @DATASETS.register_module()

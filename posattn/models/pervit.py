@@ -39,7 +39,7 @@ from ..attention import Attention
 from ..grid import TokenGrid
 from ..phi.peg import PositionEncodingGenerator
 from ..phi.none import NoPosition
-from ..phi.peripheral import DistanceEmbedding, PeripheralPhi, random_init_
+from ..phi.peripheral import EMBEDDINGS, PeripheralPhi, random_init_
 from ..window import GridWindows
 from .layers import ClassifierApi, DropPath, Mlp, take_indices
 from .registry import create_from_arch, register_model
@@ -133,17 +133,19 @@ class PerViTBlock(nn.Module):
         window_size: None attends over the whole grid; ws attends within ws x ws windows, with Φp
             of the ws x ws grid.
         cpe: the CPE convolution on the attention branch; False passes the tokens unchanged.
+        content: the content term q k^T of the attention; False attends by Φp alone.
 
     The MLP is 4 * ``dim`` wide (DeiT's ratio, the release's).
     """
 
     def __init__(self, dim: int, out_dim: int, num_heads: int, phi: Union[PeripheralPhi, NoPosition],
-                 drop_path: float = 0.0, window_size: Optional[int] = None, cpe: bool = True):
+                 drop_path: float = 0.0, window_size: Optional[int] = None, cpe: bool = True,
+                 content: bool = True):
         super().__init__()
         self.window_size = window_size
         self.cpe = PositionEncodingGenerator(dim, residual=False) if cpe else NoPosition()
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.attn = Attention(dim, num_heads, phi=phi, qkv_bias=False)
+        self.attn = Attention(dim, num_heads, phi=phi, qkv_bias=False, content=content)
         self.drop_path1 = DropPath(drop_path)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = Mlp(dim, 4 * dim, out_dim=out_dim)
@@ -196,19 +198,33 @@ class PerViT(ClassifierApi, nn.Module):
         stem: 'conv' (the convolutional stem, C-stem) or 'patch' (a 16x16 patch embedding,
             :class:`PatchStem`: Table 1 (d)).
         cpe: the CPE convolution before every attention layer (False: Table 1 (e)).
+        content: the content-based attention Φc, softmax(q k^T / sqrt(d)); False attends by
+            Φp alone, softmax(log Φp) v, and projects only values (Table 1 (c)).
+        phi_embedding, phi_neighbourhood, phi_multi_layer: the design of every Φp (Table 5,
+            bottom): the embedding R, 'euc' or 'lrn' (one per model either way), the 3x3
+            neighbourhood N of its projections (False: 1x1) and its multi-layer design ML
+            (False: one projection); :class:`~posattn.phi.peripheral.PeripheralPhi`.
     """
 
     def __init__(self, embed_dims: Sequence[int] = (128, 192, 224, 280), depths: Sequence[int] = (2, 2, 6, 2),
                  num_heads: int = 4, stem_dims: Sequence[int] = (48, 64, 96, 128), in_chans: int = 3,
                  num_classes: int = 1000, drop_path_rate: float = 0.0, window_size: Optional[int] = None,
                  global_blocks: Sequence[int] = (), global_pool: str = 'avg', phi: str = 'peripheral',
-                 phi_init: str = 'peripheral', phi_trainable: bool = True, stem: str = 'conv', cpe: bool = True):
+                 phi_init: str = 'peripheral', phi_trainable: bool = True, stem: str = 'conv', cpe: bool = True,
+                 content: bool = True, phi_embedding: str = 'euc', phi_neighbourhood: bool = True,
+                 phi_multi_layer: bool = True):
         super().__init__()
         if phi not in ('peripheral', 'none'):
             raise ValueError(f"PerViT's phi is 'peripheral' or 'none', got {phi!r}")
-        if phi == 'none' and (phi_init != 'peripheral' or not phi_trainable):
-            raise ValueError(f"phi_init={phi_init!r} and phi_trainable={phi_trainable} set up a peripheral Φp; "
-                             "with phi='none' there is none")
+        if phi == 'none' and not content:
+            raise ValueError("content=False attends by Φp alone; with phi='none' there is nothing to attend by")
+        design = dict(embedding=phi_embedding, neighbourhood=phi_neighbourhood, multi_layer=phi_multi_layer)
+        if phi == 'none' and (phi_init != 'peripheral' or not phi_trainable
+                              or design != dict(embedding='euc', neighbourhood=True, multi_layer=True)):
+            raise ValueError(f"phi_init={phi_init!r}, phi_trainable={phi_trainable} and the Φp design {design} "
+                             "set up a peripheral Φp; with phi='none' there is none")
+        if phi_embedding not in EMBEDDINGS:
+            raise ValueError(f'unknown phi_embedding {phi_embedding!r}; choose one of {sorted(EMBEDDINGS)}')
         if stem not in STEMS:
             raise ValueError(f'unknown stem {stem!r}; choose one of {sorted(STEMS)}')
         if len(embed_dims) != len(depths):
@@ -232,10 +248,11 @@ class PerViT(ClassifierApi, nn.Module):
         self.stem = (ConvStem(in_chans, stem_dims, embed_dims[0]) if stem == 'conv'
                      else PatchStem(in_chans, embed_dims[0]))
         if phi == 'peripheral':
-            # Φp's w_r: one Linear(1, 4 * heads) for the whole model, as in the release.
-            self.distance_embedding = DistanceEmbedding(4 * num_heads)
+            # Φp's R: one for the whole model (Euc's w_r: the release's Linear(1, 4 * heads)).
+            self.distance_embedding = EMBEDDINGS[phi_embedding](4 * num_heads)
             if phi_init == 'rand':
-                random_init_(self.distance_embedding.weight)
+                for parameter in self.distance_embedding.parameters():
+                    random_init_(parameter)
         dims = [dim for dim, depth in zip(embed_dims, depths) for _ in range(depth)]
         out_dims = dims[1:] + dims[-1:]
         drop_paths = torch.linspace(0, drop_path_rate, num_layers, device='cpu').tolist()
@@ -244,11 +261,11 @@ class PerViT(ClassifierApi, nn.Module):
             if phi == 'none':
                 return NoPosition()
             return PeripheralPhi(num_heads, layer_index=i, num_layers=num_layers,
-                                 distance_embedding=self.distance_embedding, init=phi_init)
+                                 distance_embedding=self.distance_embedding, init=phi_init, **design)
 
         self.blocks = nn.ModuleList([
             PerViTBlock(dims[i], out_dims[i], num_heads, layer_phi(i), drop_paths[i],
-                        window_size=None if i in global_blocks else window_size, cpe=cpe)
+                        window_size=None if i in global_blocks else window_size, cpe=cpe, content=content)
             for i in range(num_layers)])
         if not phi_trainable:
             for module in (self.distance_embedding, *(block.attn.phi for block in self.blocks)):

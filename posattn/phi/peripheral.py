@@ -21,6 +21,11 @@ Exact shortcuts, none of which changes the result (``posattn.reference`` compute
   it is converted (:mod:`posattn.convert`), and ``posattn.reference`` still takes them.
 Feeding ``logsigmoid(z)`` to a softmax instead of multiplying by ``sigmoid(z)`` also keeps a
 sharp Φp (z around -60) exact where the release's L1 normalisation loses the row.
+
+The paper's other Φp designs (Table 5, bottom; supplement Fig. A6) are options of the same module:
+the embedding R ('euc' above, or 'lrn', :class:`LearnedEmbedding`), the neighbourhood N of the
+projections (3x3, or 1x1 without it) and the multi-layer design ML (without it a single
+projection: z = IN2(PP2(R))). They take the general path :func:`design_log_attention`.
 """
 from __future__ import annotations
 
@@ -35,8 +40,8 @@ from ..grid import TokenGrid
 from .base import PositionalModule
 from .registry import register_phi
 
-__all__ = ['PeripheralPhi', 'PeripheralWeights', 'DistanceEmbedding', 'PHI_INITS', 'conv_init', 'peripheral_init',
-           'peripheral_log_attention', 'random_init_']
+__all__ = ['PeripheralPhi', 'PeripheralWeights', 'DistanceEmbedding', 'LearnedEmbedding', 'EMBEDDINGS', 'PHI_INITS',
+           'conv_init', 'peripheral_init', 'peripheral_log_attention', 'design_log_attention', 'random_init_']
 
 KERNEL_SIZE = 3  # PP1 and PP2; keys are padded by 2 so that both valid convolutions end on H x W
 NORM_EPS = 1e-5
@@ -83,30 +88,33 @@ def random_init_(parameter: torch.Tensor) -> torch.Tensor:
 PHI_INITS = {'peripheral': peripheral_init, 'conv': conv_init, 'rand': None}
 
 
-def _axis_offsets(length: int) -> torch.Tensor:
-    """Coordinate offsets -(n+1)..(n+1) in units of the ``linspace(-1, 1, n)`` step, float64.
+def _axis_offsets(length: int, pad: int = 2) -> torch.Tensor:
+    """Key-minus-query coordinate offsets -(n-1+pad)..(n-1+pad) of an axis of n positions whose
+    keys are padded by ``pad``, in the units of ``linspace(-1, 1, n)``, float64.
 
     A single row or column has no step; it is taken as 2, the extent of [-1, 1].
     """
     step = 2.0 / (length - 1) if length > 1 else 2.0
-    return torch.arange(-(length + 1), length + 2, dtype=torch.float64) * step
+    return torch.arange(-(length - 1 + pad), length + pad, dtype=torch.float64) * step
 
 
-def distance_canvas(height: int, width: int) -> torch.Tensor:
-    """||offset|| for every key-minus-query offset of an H x W grid with 2-padded keys: (2H+3, 2W+3), float64."""
-    rows, cols = _axis_offsets(height), _axis_offsets(width)
+def distance_canvas(height: int, width: int, pad: int = 2) -> torch.Tensor:
+    """||offset|| for every key-minus-query offset of an H x W grid with keys padded by ``pad``:
+    (2H-1+2pad, 2W-1+2pad), float64 ((2H+3, 2W+3) for PerViT's two 3x3 projections)."""
+    rows, cols = _axis_offsets(height, pad), _axis_offsets(width, pad)
     return torch.sqrt(rows[:, None] ** 2 + cols[None, :] ** 2)
 
 
 def _windows(canvas: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """Every (H+2) x (W+2) window of the channels-last PP1 canvas (2H+1, 2W+1, hidden), as a view.
+    """Every window of the channels-last PP1 canvas (2H-1+2p, 2W-1+2p, hidden) that one query
+    reads, as a view: (H, W, hidden, H+2p, W+2p) indexed by window start (a, b), for a k x k PP2
+    with p = (k - 1) / 2 (PerViT's 3x3: windows (H+2) x (W+2) of a (2H+1, 2W+1) canvas).
 
-    Returns (H, W, hidden, H+2, W+2) indexed by window start (a, b). Query (i, j) sees padded
-    key (y, x) at offset (y - 2 - i, x - 2 - j), which after the valid 3x3 PP1 is canvas cell
+    Query (i, j) sees padded key (y, x) at offset (y - p - i, x - p - j), which is canvas cell
     (H - 1 - i + y, W - 1 - j + x): window (a, b) = (H - 1 - i, W - 1 - j) is query (i, j)
     mirrored, so the windows of all queries are one strided view and only the output is flipped.
     """
-    return canvas.unfold(0, height + 2, 1).unfold(1, width + 2, 1)
+    return canvas.unfold(0, canvas.shape[0] - height + 1, 1).unfold(1, canvas.shape[1] - width + 1, 1)
 
 
 def _windows_adjoint(grad_windows: torch.Tensor, canvas_shape: torch.Size) -> torch.Tensor:
@@ -119,10 +127,9 @@ def _windows_adjoint(grad_windows: torch.Tensor, canvas_shape: torch.Size) -> to
     return torch.ops.aten.unfold_backward(row_windows, tuple(canvas_shape), 0, rows, 1)
 
 
-def _box_means(maps: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """Mean of every (H+2) x (W+2) window of (..., 2H+1, 2W+1) maps, from an integral image."""
+def _box_means(maps: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Mean of every ``rows`` x ``cols`` window of (..., R, C) maps, from an integral image."""
     integral = F.pad(maps.cumsum(-2).cumsum(-1), (1, 0, 1, 0))
-    rows, cols = height + 2, width + 2
     sums = (integral[..., rows:, cols:] - integral[..., :-rows, cols:]
             - integral[..., rows:, :-cols] + integral[..., :-rows, :-cols])
     return sums / (rows * cols)
@@ -142,15 +149,15 @@ def _grid_moments(height: int, width: int, device: torch.device) -> Tuple[torch.
     rows, cols = 2 * height + 1, 2 * width + 1
     shifted = torch.stack([distances[u:u + rows, v:v + cols]
                            for u in range(KERNEL_SIZE) for v in range(KERNEL_SIZE)])
-    means = _box_means(shifted, height, width)
-    covariances = _box_means(shifted[:, None] * shifted[None], height, width) - means[:, None] * means[None]
+    means = _box_means(shifted, height + 2, width + 2)
+    covariances = _box_means(shifted[:, None] * shifted[None], height + 2, width + 2) - means[:, None] * means[None]
     return tuple(t.to(device).contiguous() for t in (shifted.permute(1, 2, 0), means.permute(1, 2, 0),
                                                        covariances.permute(2, 3, 0, 1)))
 
 
-def _row_chunks(height: int, width: int, hidden: int) -> List[slice]:
+def _row_chunks(canvas: torch.Tensor, height: int, width: int) -> List[slice]:
     """Slices of window-start rows whose activations stay near ``_CHUNK_ELEMENTS``."""
-    per_row = width * (height + 2) * (width + 2) * hidden
+    per_row = width * _windows(canvas, height, width)[0, 0].numel()
     step = max(_CHUNK_ELEMENTS // per_row, 1)
     return [slice(a, min(a + step, height)) for a in range(0, height, step)]
 
@@ -162,12 +169,12 @@ def _chunk_forward(canvas, scale, shift, proj2_weight, norm2_weight, norm2_bias,
     H+2, W+2), so that PP2 is one convolution (q, heads, H, W) in the layout oneDNN's
     convolutions run fastest in; the maps of the outputs stay in the convolution's layout.
     """
-    height, width, hidden_dim = scale.shape
-    windows = _windows(canvas, height, width)[rows].permute(0, 1, 3, 4, 2)  # (r, W, H+2, W+2, hidden)
-    # Gathered dense first, so that the result is (q, hidden, H+2, W+2) in channels-last order
+    height, width, _ = scale.shape
+    windows = _windows(canvas, height, width)[rows].permute(0, 1, 3, 4, 2)  # (r, W, H+2p, W+2p, hidden)
+    # Gathered dense first, so that the result is (q, hidden, H+2p, W+2p) in channels-last order
     # (the overlapping windows' own strides would give another order; out= cannot be traced).
     hidden = torch.addcmul(shift[rows, :, None, None], windows.contiguous(), scale[rows, :, None, None]).relu_()
-    hidden = hidden.permute(0, 1, 4, 2, 3).flatten(0, 1)  # (q, hidden, H+2, W+2)
+    hidden = hidden.permute(0, 1, 4, 2, 3).flatten(0, 1)  # (q, hidden, H+2p, W+2p)
     maps = F.conv2d(hidden, proj2_weight)  # PP2: (q, heads, H, W)
     centered = maps - maps.mean((2, 3), keepdim=True)
     inv_std = torch.rsqrt(centered.square().mean((2, 3), keepdim=True) + NORM_EPS)
@@ -197,9 +204,9 @@ class _LogPeripheralAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, canvas, scale, shift, proj2_weight, norm2_weight, norm2_bias):
-        height, width, hidden_dim = scale.shape
+        height, width, _ = scale.shape
         tokens = height * width
-        chunks = _row_chunks(height, width, hidden_dim)
+        chunks = _row_chunks(canvas, height, width)
         heads = norm2_weight.shape[0]
         log_phi = canvas.new_empty(heads, tokens, tokens)
         for rows in chunks:
@@ -213,13 +220,14 @@ class _LogPeripheralAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         canvas, scale, shift, proj2_weight, norm2_weight, norm2_bias = ctx.saved_tensors
-        height, width, hidden_dim = scale.shape
+        height, width, _ = scale.shape
         heads = norm2_weight.shape[0]
         grad_canvas, grad_scale, grad_shift, grad_proj2 = map(torch.zeros_like,
                                                               (canvas, scale, shift, proj2_weight))
         grad_norm2_weight, grad_norm2_bias = map(torch.zeros_like, (norm2_weight, norm2_bias))
         windows = _windows(canvas, height, width)
-        for rows in _row_chunks(height, width, hidden_dim):
+        window_rows = windows.shape[-2]
+        for rows in _row_chunks(canvas, height, width):
             hidden, normed, inv_std, log_phi = ctx.activations or _chunk_forward(
                 canvas, scale, shift, proj2_weight, norm2_weight, norm2_bias, rows)
             upstream = grad[:, _query_span(rows, height, width)].view(heads, -1, height, width)
@@ -234,12 +242,12 @@ class _LogPeripheralAttention(torch.autograd.Function):
                 (1, 1), (0, 0), (1, 1), False, (0, 0), 1, (True, True, False))
             grad_proj2 += grad_proj2_chunk
             grad_hidden = torch.ops.aten.threshold_backward(grad_hidden, hidden, 0)  # through ReLU
-            chunk_windows = windows[rows]  # (r, W, hidden, H+2, W+2)
+            chunk_windows = windows[rows]  # (r, W, hidden, H+2p, W+2p)
             grad_hidden = grad_hidden.view(chunk_windows.shape)
             grad_scale[rows] = (grad_hidden * chunk_windows).sum((-2, -1))
             grad_shift[rows] = grad_hidden.sum((-2, -1))
             grad_windows = grad_hidden.mul_(scale[rows, :, :, None, None])
-            covered = slice(rows.start, rows.stop + height + 1)
+            covered = slice(rows.start, rows.stop + window_rows - 1)
             grad_canvas[covered] += _windows_adjoint(grad_windows, canvas[covered].shape)
         ctx.activations = None
         return grad_canvas, grad_scale, grad_shift, grad_proj2, grad_norm2_weight, grad_norm2_bias
@@ -298,6 +306,98 @@ class DistanceEmbedding(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.full((num_scales, 1), -0.02))
 
+    @property
+    def num_channels(self) -> int:
+        return self.weight.shape[0]
+
+    def canvas(self, height: int, width: int, pad: int) -> torch.Tensor:
+        """R at every key-minus-query offset of an H x W grid with keys padded by ``pad``:
+        (channels, 2H-1+2pad, 2W-1+2pad), float64."""
+        distances = distance_canvas(height, width, pad).to(self.weight.device)
+        return self.weight.double()[:, :, None] * distances
+
+
+class LearnedEmbedding(nn.Module):
+    """Learned relative embedding R[q, k, :] = T(c_k - c_q) (PerViT Table 5's 'Lrn').
+
+    The paper describes Lrn in one phrase, "relative distances between learnable vectors"; here T
+    is a learnable table of ``num_channels`` vectors over the plane of offsets [-2, 2]^2, in the
+    grid coordinates of :class:`DistanceEmbedding` (``linspace(-1, 1, n)`` per axis), read
+    bilinearly at each offset (border values beyond). Its ``table_size`` x ``table_size`` cells
+    sit exactly on the offsets of a ((table_size + 1) / 2)-sided grid (14 x 14 by default), and
+    being a function of the offset in grid coordinates, it serves every grid, one per model as
+    the distance embedding. It starts as Euc's initial embedding, -0.02 ||offset|| in every
+    channel, so that the initialisations of Table 5 start the two alike.
+    """
+
+    def __init__(self, num_channels: int, table_size: int = 27):
+        super().__init__()
+        if table_size < 2:
+            raise ValueError(f'table_size must be at least 2, got {table_size}')
+        offsets = torch.linspace(-2.0, 2.0, table_size, dtype=torch.float64)
+        norms = torch.sqrt(offsets[:, None] ** 2 + offsets[None, :] ** 2)
+        self.table = nn.Parameter((-0.02 * norms).float().expand(num_channels, -1, -1).clone())
+
+    @property
+    def num_channels(self) -> int:
+        return self.table.shape[0]
+
+    def canvas(self, height: int, width: int, pad: int) -> torch.Tensor:
+        """R at every key-minus-query offset of an H x W grid with keys padded by ``pad``:
+        (channels, 2H-1+2pad, 2W-1+2pad), float64."""
+        rows, cols = (_axis_offsets(n, pad).to(self.table.device) / 2 for n in (height, width))
+        points = torch.stack(torch.broadcast_tensors(cols[None, :], rows[:, None]), -1)  # (x, y) in [-1, 1]
+        return F.grid_sample(self.table.double()[None], points[None], mode='bilinear', padding_mode='border',
+                              align_corners=True)[0]
+
+
+# R, the embedding of relative positions that a peripheral Φp projects (Table 5, bottom).
+EMBEDDINGS = {'euc': DistanceEmbedding, 'lrn': LearnedEmbedding}
+
+
+def _window_statistics(canvas: torch.Tensor, rows: int, cols: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per channel mean and variance of every ``rows`` x ``cols`` window of a (channels, R, C)
+    float64 canvas: each (channels, R - rows + 1, C - cols + 1), by window start."""
+    mean = _box_means(canvas, rows, cols)
+    return mean, (_box_means(canvas.square(), rows, cols) - mean.square()).clamp_min(0)
+
+
+def design_log_attention(height: int, width: int, embedding: torch.Tensor, proj2_weight: torch.Tensor,
+                         norm2_weight: torch.Tensor, norm2_bias: torch.Tensor,
+                         proj1_weight: Optional[torch.Tensor] = None, norm1_weight: Optional[torch.Tensor] = None,
+                         norm1_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """log Φp of any design of Table 5 for an H x W grid: (heads, H*W, H*W), [head, query, key].
+
+    ``embedding``: R at every key-minus-query offset with keys padded by the projections' total
+    reach, (channels, 2H-1+2pad, 2W-1+2pad) float64 (:meth:`DistanceEmbedding.canvas`). With
+    ``proj1_weight`` (ML), z = IN2(PP2(ReLU(IN1(PP1(R))))); without, z = IN2(PP2(R)). Each PP is a
+    valid k x k convolution over the keys (k = 3 with the neighbourhood N, 1 without). As on the
+    fast path, R depends only on the offset, so PP1 runs once on the offset canvas and IN1's
+    window statistics are box sums of it (float64), and PP2 runs through the same kernel
+    (:class:`_LogPeripheralAttention`); a single projection is a gather of its offset map.
+    Autograd reaches the embedding and every parameter.
+    """
+    dtype = proj2_weight.dtype
+    if proj1_weight is None:  # one projection: z = IN2(PP(R)) read from the (heads, 2H-1, 2W-1) offset map
+        maps = F.conv2d(embedding[None], proj2_weight.double())[0]
+        maps = maps - maps.mean((1, 2), keepdim=True)
+        mean, var = _window_statistics(maps, height, width)  # (heads, H, W) by window start
+        scale = norm2_weight.double()[:, None, None] * torch.rsqrt(var + NORM_EPS)
+        shift = norm2_bias.double()[:, None, None] - scale * mean
+        windows = _windows(maps.permute(1, 2, 0), height, width)  # (H, W, heads, H, W)
+        logits = torch.addcmul(shift.permute(1, 2, 0)[..., None, None].to(dtype), windows.to(dtype),
+                               scale.permute(1, 2, 0)[..., None, None].to(dtype))
+        log_phi = F.logsigmoid(logits).flip(0, 1)  # window (a, b) is query (H-1-a, W-1-b)
+        return log_phi.permute(2, 0, 1, 3, 4).reshape(-1, height * width, height * width)
+    canvas = F.conv2d(embedding[None], proj1_weight.double())[0]  # PP1: (hidden, 2H-1+2p, 2W-1+2p)
+    canvas = canvas - canvas.mean((1, 2), keepdim=True)
+    reach = proj2_weight.shape[-1] - 1
+    mean, var = _window_statistics(canvas, height + reach, width + reach)  # (hidden, H, W)
+    scale = norm1_weight.double()[:, None, None] * torch.rsqrt(var + NORM_EPS)
+    shift = norm1_bias.double()[:, None, None] - scale * mean
+    return _LogPeripheralAttention.apply(*(t.permute(1, 2, 0).to(dtype).contiguous() for t in (canvas, scale, shift)),
+                                         proj2_weight, norm2_weight, norm2_bias)
+
 
 @register_phi('peripheral')
 class PeripheralPhi(PositionalModule):
@@ -321,29 +421,46 @@ class PeripheralPhi(PositionalModule):
         init: 'peripheral' (the release's, by layer), 'conv' (s = -5, v = 3 in every layer) or
             'rand' (every parameter random, :func:`random_init_`; a shared distance embedding
             is its owner's to initialise): the initialisations of the paper's Table 5.
+        embedding: R, 'euc' (:class:`DistanceEmbedding`, PerViT's) or 'lrn'
+            (:class:`LearnedEmbedding`); a shared ``distance_embedding`` must be of that kind.
+        neighbourhood: the projections refer to the 3x3 neighbourhood N of each key (PerViT's
+            peripheral projection); False makes them 1x1, each key on its own.
+        multi_layer: ML, PP1 -> IN1 -> ReLU -> PP2 -> IN2 (PerViT's); False is one projection
+            from R to the heads, z = IN2(PP2(R)) (no ``proj1_weight``, ``norm1_*``).
+        The last three are Table 5's designs (bottom); the defaults build PerViT's Φp.
     """
 
     def __init__(self, num_heads: int, layer_index: int = 0, num_layers: int = 1,
-                 distance_embedding: Optional[DistanceEmbedding] = None, init: str = 'peripheral'):
+                 distance_embedding: Optional[nn.Module] = None, init: str = 'peripheral',
+                 embedding: str = 'euc', neighbourhood: bool = True, multi_layer: bool = True):
         super().__init__()
         if init not in PHI_INITS:
             raise ValueError(f'unknown Φp initialisation {init!r}; choose one of {sorted(PHI_INITS)}')
+        if embedding not in EMBEDDINGS:
+            raise ValueError(f'unknown Φp embedding {embedding!r}; choose one of {sorted(EMBEDDINGS)}')
         channels = 4 * num_heads
         if distance_embedding is None:
-            self.distance_embedding = DistanceEmbedding(channels)
+            self.distance_embedding = EMBEDDINGS[embedding](channels)
         else:
-            if distance_embedding.weight.shape != (channels, 1):
+            if not isinstance(distance_embedding, EMBEDDINGS[embedding]):
+                raise ValueError(f'embedding={embedding!r} needs a shared {EMBEDDINGS[embedding].__name__}, '
+                                 f'got {type(distance_embedding).__name__}')
+            if distance_embedding.num_channels != channels:
                 raise ValueError(f'a shared distance embedding for {num_heads} heads needs '
-                                 f'{channels} scales, got {distance_embedding.weight.shape[0]}')
+                                 f'{channels} scales, got {distance_embedding.num_channels}')
             object.__setattr__(self, 'distance_embedding', distance_embedding)  # not registered here
         self.num_heads = num_heads
         self.init = init
+        self.embedding, self.neighbourhood, self.multi_layer = embedding, neighbourhood, multi_layer
         size, strength = (PHI_INITS[init] or peripheral_init)(layer_index, num_layers)
-        k = KERNEL_SIZE
+        k = KERNEL_SIZE if neighbourhood else 1
         # No PP1 / PP2 biases: each adds a constant that the next instance norm removes.
-        self.proj1_weight = nn.Parameter(torch.full((channels, channels, k, k), 0.02))
-        self.norm1_weight = nn.Parameter(torch.ones(channels))
-        self.norm1_bias = nn.Parameter(torch.zeros(channels))
+        if multi_layer:
+            self.proj1_weight = nn.Parameter(torch.full((channels, channels, k, k), 0.02))
+            self.norm1_weight = nn.Parameter(torch.ones(channels))
+            self.norm1_bias = nn.Parameter(torch.zeros(channels))
+        else:
+            self.proj1_weight = self.norm1_weight = self.norm1_bias = None
         self.proj2_weight = nn.Parameter(torch.full((num_heads, channels, k, k), 0.02))
         self.norm2_weight = nn.Parameter(torch.full((num_heads,), strength))  # v_l: strength
         self.norm2_bias = nn.Parameter(torch.full((num_heads,), size))  # s_l: size
@@ -352,19 +469,40 @@ class PeripheralPhi(PositionalModule):
                 random_init_(parameter)
         self._cache = ParameterValueCache(_CACHE_ENTRIES)
 
+    @property
+    def is_pervit_design(self) -> bool:
+        """PerViT's own design, Euc + N + ML (the release's, on the fast path)."""
+        return self.embedding == 'euc' and self.neighbourhood and self.multi_layer
+
     def weights(self) -> PeripheralWeights:
         """The parameters, as :func:`peripheral_log_attention` and
-        :func:`posattn.reference.peripheral_position_attention` take them."""
+        :func:`posattn.reference.peripheral_position_attention` take them (PerViT's design only)."""
+        if not self.is_pervit_design:
+            raise ValueError(f'weights() holds the parameters of PerViT\'s design (euc, neighbourhood, multi-layer); '
+                             f'this Φp is {self.design}')
         return PeripheralWeights(self.distance_embedding.weight, self.proj1_weight, self.norm1_weight,
                                  self.norm1_bias, self.proj2_weight, self.norm2_weight, self.norm2_bias)
 
+    @property
+    def design(self) -> str:
+        """Table 5's name of the design: 'Euc + N + ML' (PerViT's), 'Lrn + ML', 'Euc', ..."""
+        return ' + '.join([self.embedding.capitalize()] + ['N'] * self.neighbourhood + ['ML'] * self.multi_layer)
+
     def log_position_attention(self, height: int, width: int) -> torch.Tensor:
         """log Φp for an H x W grid: (heads, H*W, H*W) in the parameters' dtype, [head, query, key]."""
-        device_type = self.proj1_weight.device.type
+        device_type = self.proj2_weight.device.type
         if not torch.amp.is_autocast_available(device_type):  # e.g. 'meta': nothing to turn off
-            return peripheral_log_attention(height, width, self.weights())
+            return self._log_position_attention(height, width)
         with torch.autocast(device_type, enabled=False):
+            return self._log_position_attention(height, width)
+
+    def _log_position_attention(self, height: int, width: int) -> torch.Tensor:
+        if self.is_pervit_design:
             return peripheral_log_attention(height, width, self.weights())
+        reach = (self.proj2_weight.shape[-1] - 1) // 2 * (2 if self.multi_layer else 1)
+        return design_log_attention(height, width, self.distance_embedding.canvas(height, width, reach),
+                                    self.proj2_weight, self.norm2_weight, self.norm2_bias,
+                                    self.proj1_weight, self.norm1_weight, self.norm1_bias)
 
     def position_attention(self, height: int, width: int) -> torch.Tensor:
         """Φp itself (heads, H*W, H*W), values in (0, 1), indexed [head, query, key]."""
@@ -375,7 +513,7 @@ class PeripheralPhi(PositionalModule):
         return bias.to(dtype).unsqueeze(0)  # (1, heads, N, N)
 
     def logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
-        weights = [w for w in self.weights() if w is not None]  # the parameters, the shared embedding's too
+        weights = [*self.parameters(), *self.distance_embedding.parameters()]  # a shared embedding's too
         if self.training or (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
             return self._bias(grid, q.dtype)
         return self._cache.get((grid, q.dtype, q.device), weights, lambda: self._bias(grid, q.dtype))
@@ -385,4 +523,5 @@ class PeripheralPhi(PositionalModule):
         return super().train(mode)
 
     def extra_repr(self) -> str:
-        return f'num_heads={self.num_heads}' + ('' if self.init == 'peripheral' else f', init={self.init!r}')
+        return (f'num_heads={self.num_heads}' + ('' if self.init == 'peripheral' else f', init={self.init!r}')
+                + ('' if self.is_pervit_design else f', design={self.design!r}'))
