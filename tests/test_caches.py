@@ -12,7 +12,7 @@ import posattn
 from posattn import Attention
 from posattn._cache import ParameterValueCache
 from posattn.phi.irpe import bucket_ids
-from posattn.phi.peripheral import _grid_moments
+from posattn.phi.peripheral_kernel import _grid_moments
 
 GRID = (4, 5)
 

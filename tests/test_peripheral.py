@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from posattn.phi import peripheral
+from posattn.phi import peripheral_kernel
 from posattn.phi.peripheral import DistanceEmbedding, PeripheralPhi, PeripheralWeights, peripheral_init
 
 from posattn.convert import pervit_from_release
@@ -68,7 +68,7 @@ def test_chunked_recomputation_matches_one_pass(monkeypatch):
     (phi.position_attention(6, 7) * upstream).sum().backward()
     one_pass = {n: p.grad.clone() for n, p in phi.named_parameters()}
     phi.zero_grad()
-    monkeypatch.setattr(peripheral, '_CHUNK_ELEMENTS', 1000)  # 10 queries a chunk, recomputed
+    monkeypatch.setattr(peripheral_kernel, '_CHUNK_ELEMENTS', 1000)  # 10 queries a chunk, recomputed
     value = phi.position_attention(6, 7)
     (value * upstream).sum().backward()
     torch.testing.assert_close(value, release_phi(phi, 6, 7), rtol=0, atol=1e-10)
