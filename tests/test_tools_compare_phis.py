@@ -87,14 +87,20 @@ def test_each_fine_tune_builds_from_the_starting_checkpoint_and_refuses_to_start
         assert any('.attn.phi.' in key for key in model) == (name != 'finetune_none'), name
 
 
-@pytest.mark.slow
-def test_compare_phis_trains_each_row_and_seed_and_tabulates(tmp_path):
-    command = [sys.executable, 'tools/compare_phis.py', '--rows', 'deit_t_peg', 'pervit_t', '--seeds', '0', '1',
-               '--epochs', '2', '--work-dir', str(tmp_path),
-               '--cfg-options', 'train_dataloader.dataset.num_images=96', 'train_dataloader.batch_size=32',
+def small_run(work_dir, *args, train_images=64):
+    """The command of a tools/compare_phis.py run with a reduced budget (2 epochs, a few images), and its
+    result, checked to have succeeded."""
+    command = [sys.executable, 'tools/compare_phis.py', *args, '--epochs', '2', '--work-dir', str(work_dir),
+               '--cfg-options', f'train_dataloader.dataset.num_images={train_images}', 'train_dataloader.batch_size=32',
                'val_dataloader.dataset.num_images=32', 'default_hooks.logger.interval=1']
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return command, result
+
+
+@pytest.mark.slow
+def test_compare_phis_trains_each_row_and_seed_and_tabulates(tmp_path):
+    command, result = small_run(tmp_path, '--rows', 'deit_t_peg', 'pervit_t', '--seeds', '0', '1', train_images=96)
 
     record = json.loads((tmp_path / 'comparison.json').read_text())
     assert [(run['row'], run['seed']) for run in record['runs']] == [
@@ -124,15 +130,33 @@ def test_compare_phis_trains_each_row_and_seed_and_tabulates(tmp_path):
 
 @pytest.mark.slow
 def test_swap_experiment_fine_tunes_from_its_own_starting_run(tmp_path):
-    command = [sys.executable, 'tools/compare_phis.py', '--experiment', 'swap', '--rows', 'finetune_peripheral',
-               '--epochs', '2', '--work-dir', str(tmp_path),
-               '--cfg-options', 'train_dataloader.dataset.num_images=64', 'train_dataloader.batch_size=32',
-               'val_dataloader.dataset.num_images=32', 'default_hooks.logger.interval=1']
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    small_run(tmp_path, '--experiment', 'swap', '--rows', 'finetune_peripheral')
     record = json.loads((tmp_path / 'comparison.json').read_text())
     assert [run['row'] for run in record['runs']] == ['deit_t', 'finetune_peripheral']
     start = tmp_path / 'deit_t' / 'seed0' / 'epoch_2.pth'
     assert f'model.head.init_cfg.checkpoint={start}' in record['runs'][1]['options']
     (mmengine_log,) = (tmp_path / 'finetune_peripheral' / 'seed0').glob('*/*.log')
     assert f'PretrainedInit: load from {start}' in mmengine_log.read_text()
+
+
+@pytest.mark.slow
+def test_ablations_experiment_measures_the_attention_of_each_run(tool, tmp_path):
+    assert tool.parse_args(['--experiment', 'ablations']).work_dir == 'work_dirs/compare_phis/ablations'
+    small_run(tmp_path, '--experiment', 'ablations', '--rows', 'b', 'c')
+    record = json.loads((tmp_path / 'comparison.json').read_text())
+    without_phi, without_content = record['runs']
+    for run in record['runs']:
+        measured = json.loads((tmp_path / run['row'] / 'seed0' / 'analysis' / 'metrics.json').read_text())
+        assert measured['num_images'] == 32 and all(layer['grid'] == [8, 8] for layer in measured['layers'])
+        assert run['nonlocality']['mixed'] == pytest.approx(
+            [sum(layer['nonlocality_mixed']) / 4 for layer in measured['layers']])
+        assert len(run['nonlocality']['mixed']) == 12
+    assert without_phi['nonlocality']['position'] == [None] * 12  # no Φp in (b)
+    assert all(value > 0 for value in without_content['nonlocality']['position'])
+    assert (tmp_path / 'c' / 'seed0' / 'analysis' / 'position.png').is_file()
+    table = (tmp_path / 'comparison.md').read_text()
+    assert '| model | Ω of Φa, layer 1 to last | Ω of Φp, layer 1 to last |' in table
+    (line,) = [line for line in table.splitlines() if line.startswith('| (b) without Φp |') and '`' not in line]
+    mixed, position = line.split('|')[2:4]
+    assert len([float(value) for value in mixed.split()]) == 12 and position.split() == ['-'] * 12
+    assert (tmp_path / 'comparison.png').read_bytes()[:4] == b'\x89PNG'

@@ -1,12 +1,17 @@
-"""Φp compared on the embedded set, one budget per row, in two experiments:
+"""Φp compared on the embedded set, one budget per row, in three experiments:
 
     python tools/compare_phis.py                       # table2: 5 rows x seed 0, 10 epochs each
     python tools/compare_phis.py --epochs 3 --seeds 0 1 --rows deit_t_none pervit_t
     python tools/compare_phis.py --experiment swap     # DeiT-T, then a fine-tune per swapped-in Φp
+    python tools/compare_phis.py --experiment ablations --seeds 0 1   # PerViT's study, 8 x 8 grid
 
 ``table2`` is PerViT Table 2: the same ViT-Tiny with each Φp, and PerViT-T, from scratch. ``swap``
 trains mmpretrain's own DeiT-T (``configs/swap/deit-t_shapes.py``), then fine-tunes that checkpoint
 with each Φp swapped in by ``PosattnSwappedBackbone`` (``configs/swap/deit-t_finetune-*_shapes.py``).
+``ablations`` is PerViT's component study (Table 1 rows (a), (b), (c)) and Φp initialisations
+(Table 5: peripheral is row (a), conv, rand) on an 8 x 8 token grid
+(``configs/ablations/shapes/``); after each run ``tools/analyze.py`` measures its attention, and
+the nonlocality of Φp and Φa per layer (the paper's Fig. A8) joins the run's record.
 
 Every row is a config trained by ``tools/train.py`` (one process per run, its log under the work
 dir) with the data and recipe of ``configs/_base_/shapes.py``: within an experiment's stage only
@@ -65,6 +70,16 @@ EXPERIMENTS = {
         'finetune_peripheral': _finetune('peripheral', 'PPE (peripheral)'),
     },
 }
+ABLATION_CONFIGS = 'ablations/shapes/pervit-t_{}_shapes.py'
+EXPERIMENTS['ablations'] = {  # PerViT Table 1 (a)-(c) and Table 5 (top), from scratch on an 8 x 8 grid
+    'a': Row(ABLATION_CONFIGS.format('components-a'), '(a) PerViT-T, peripheral init'),
+    'b': Row(ABLATION_CONFIGS.format('components-b'), '(b) without Φp'),
+    'c': Row(ABLATION_CONFIGS.format('components-c'), '(c) without Φc'),
+    'init_conv': Row(ABLATION_CONFIGS.format('init-conv'), '(a), conv init'),
+    'init_rand': Row(ABLATION_CONFIGS.format('init-rand'), '(a), rand init'),
+}
+MEASURED_EXPERIMENTS = {'ablations'}  # their runs are analysed (tools/analyze.py) after training
+ANALYSED_IMAGES = 256
 # The inits that a fine-tune's starting checkpoint goes to: the swapped backbone's and the head's.
 STARTING_CHECKPOINT_KEYS = ('model.backbone.backbone.init_cfg.checkpoint', 'model.head.init_cfg.checkpoint')
 TARGET_TOP1 = 95.0  # "epochs to reach": how fast each row learns, where most end near 100%
@@ -75,7 +90,8 @@ RUN_RECORD = 'run.json'  # per finished run: what read_run found and the wall ti
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description='Train each row of an experiment on the embedded set with one budget')
     parser.add_argument('--experiment', choices=list(EXPERIMENTS), default='table2',
-                        help="table2: PerViT Table 2's rows from scratch; swap: DeiT-T, then a fine-tune per Φp")
+                        help="table2: PerViT Table 2's rows from scratch; swap: DeiT-T, then a fine-tune per Φp; "
+                             "ablations: PerViT's components and Φp initialisations on an 8 x 8 grid")
     parser.add_argument('--rows', nargs='+', help="rows to train (default: all of the experiment's; a row that "
                                                   'starts from another trains that one too)')
     parser.add_argument('--seeds', nargs='+', type=int, default=[0], help='one run per row and seed')
@@ -91,7 +107,8 @@ def parse_args(argv=None):
         parser.error(f'no row {", ".join(unknown)} in the {args.experiment} experiment; its rows: {", ".join(rows)}')
     if args.epochs is not None and args.epochs < 2:
         parser.error(f'--epochs must be >= 2 (one warm-up epoch, then the cosine decay), got {args.epochs}')
-    args.work_dir = args.work_dir or ('work_dirs/compare_phis' + ('/swap' if args.experiment == 'swap' else ''))
+    args.work_dir = args.work_dir or ('work_dirs/compare_phis' + ('' if args.experiment == 'table2'
+                                                                  else f'/{args.experiment}'))
     return args
 
 
@@ -153,6 +170,24 @@ def train(row: Row, options: list, work_dir: Path) -> float:
     return time.perf_counter() - start
 
 
+def measure_nonlocality(row: Row, options: list, run_dir: Path) -> dict:
+    """Runs tools/analyze.py on the run's last checkpoint (``ANALYSED_IMAGES`` validation images,
+    its figures under ``run_dir/analysis``); returns Ω of Φp and of Φa per layer, means over heads
+    (Φp's None where a layer has no positional bias)."""
+    out = run_dir / 'analysis'
+    command = [sys.executable, str(REPO_ROOT / 'tools' / 'analyze.py'), str(config_path(row.config)),
+               str(last_checkpoint(run_dir)), '--out', str(out), '--num-images', str(ANALYSED_IMAGES),
+               '--cfg-options', *options]
+    with open(run_dir / 'analyze.log', 'w') as log:
+        if subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT).returncode != 0:
+            raise RuntimeError(f'analysing {row.config} failed; see {run_dir / "analyze.log"}')
+    layers = json.loads((out / 'metrics.json').read_text())['layers']
+
+    def head_means(key):
+        return [None if layer[key] is None else statistics.fmean(layer[key]) for layer in layers]
+    return dict(position=head_means('nonlocality_position'), mixed=head_means('nonlocality_mixed'))
+
+
 def read_run(work_dir: Path) -> dict:
     """Validation top-1 per epoch and mean step time, from the run's mmengine scalars."""
     logs = sorted(work_dir.glob('*/vis_data/scalars.json'))
@@ -188,10 +223,22 @@ def summarise(runs: list, rows: dict) -> list:
             best_top1=statistics.fmean(max(run['top1_per_epoch']) for run in mine),
             epochs_to_target=[next((epoch for epoch, top1 in enumerate(run['top1_per_epoch'], 1) if top1 >= TARGET_TOP1),
                                    None) for run in mine],
+            nonlocality=_mean_nonlocality(mine),
             params_m=mine[0]['params'] / 1e6, step_time_ms=1e3 * statistics.fmean(run['step_time_s'] for run in mine),
             wall_min=statistics.fmean(run['wall_s'] for run in mine) / 60, epochs=len(mine[0]['top1_per_epoch']),
         ))
     return table
+
+
+def _mean_nonlocality(runs: list) -> Optional[dict]:
+    """Ω of Φp and Φa per layer, means over the runs (seeds); None for runs not analysed."""
+    if any('nonlocality' not in run for run in runs):
+        return None
+    means = {}
+    for key in ('position', 'mixed'):
+        per_layer = zip(*(run['nonlocality'][key] for run in runs))
+        means[key] = [None if None in values else statistics.fmean(values) for values in per_layer]
+    return means
 
 
 def markdown(table: list) -> str:
@@ -206,12 +253,32 @@ def markdown(table: list) -> str:
     return '\n'.join(lines) + '\n'
 
 
+def nonlocality_markdown(table: list) -> str:
+    """Ω of Φa and Φp per layer (means over heads and seeds) of the measured rows; '' if none."""
+    measured = [line for line in table if line['nonlocality']]
+    if not measured:
+        return ''
+
+    def cells(values):
+        return ' '.join('-' if value is None else f'{value:.3g}' for value in values)
+    lines = ['| model | Ω of Φa, layer 1 to last | Ω of Φp, layer 1 to last |', '|---|---|---|']
+    lines += [f'| {line["model"]} | {cells(line["nonlocality"]["mixed"])} | {cells(line["nonlocality"]["position"])} |'
+              for line in measured]
+    return '\n'.join(lines) + '\n'
+
+
 def plot(runs: list, table: list, rows: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
 
-    fig, (curves, scatter) = plt.subplots(1, 2, figsize=(10, 3.8))
+    measured = [line for line in table if line['nonlocality']]
+    if measured:
+        fig, axes = plt.subplots(2, 2, figsize=(10, 7.6))
+        axes = axes.flatten()
+    else:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    curves, scatter = axes[:2]
     colours = {row: f'C{i}' for i, row in enumerate(rows)}
     labelled = set()
     for run in runs:  # one curve per run, one legend entry per row
@@ -229,6 +296,15 @@ def plot(runs: list, table: list, rows: dict, path: Path) -> None:
     scatter.set(xlabel='training step time (ms, batch 64, CPU)', ylabel='final validation top-1 (%)',
                 title='accuracy vs. cost')
     scatter.margins(0.25)
+    if measured:  # the paper's Fig. A8: Ω per layer of Φa, and of Φp (unnormalised, on its own scale)
+        for axis, key, name in ((axes[2], 'mixed', 'Φa'), (axes[3], 'position', 'Φp')):
+            for line in measured:
+                values = line['nonlocality'][key]
+                if None not in values:
+                    axis.plot(range(1, len(values) + 1), values, color=colours[line['row']], marker='.',
+                              label=line['model'])
+            axis.set(xlabel='layer', ylabel=f'nonlocality Ω of {name} (Eq. 13)', title=f'{name}, mean over heads and seeds')
+            axis.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -255,6 +331,9 @@ def main(argv=None):
             run = dict(row=name, seed=seed, options=options, params=count_parameters(row, options), wall_s=wall,
                        **read_run(run_dir))
             (run_dir / RUN_RECORD).write_text(json.dumps(run, indent=1))
+        if args.experiment in MEASURED_EXPERIMENTS and 'nonlocality' not in run:
+            run['nonlocality'] = measure_nonlocality(row, options, run_dir)
+            (run_dir / RUN_RECORD).write_text(json.dumps(run, indent=1))
         runs.append(run)
         print(f'    top-1 {run["top1_per_epoch"][-1]:.1f}% after {len(run["top1_per_epoch"])} epochs, '
               f'{1e3 * run["step_time_s"]:.0f} ms/step, {run["wall_s"] / 60:.1f} min', flush=True)
@@ -262,9 +341,10 @@ def main(argv=None):
     table = summarise(runs, rows)
     command = 'python tools/compare_phis.py ' + ' '.join(sys.argv[1:] if argv is None else argv)
     (work_dir / 'comparison.json').write_text(json.dumps(dict(command=command.strip(), runs=runs, table=table), indent=1))
-    (work_dir / 'comparison.md').write_text(markdown(table))
+    text = markdown(table) + ('\n' + nonlocality_markdown(table) if nonlocality_markdown(table) else '')
+    (work_dir / 'comparison.md').write_text(text)
     plot(runs, table, rows, work_dir / 'comparison.png')
-    print('\n' + markdown(table))
+    print('\n' + text)
     print(f'wrote {work_dir / "comparison.md"}, comparison.json and comparison.png')
 
 if __name__ == '__main__':
