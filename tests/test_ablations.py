@@ -271,7 +271,10 @@ def test_transfer_config_fine_tunes_pervit_m_with_deits_recipe(name):
         for pipeline in (train['dataset']['pipeline'], val['dataset']['pipeline']):
             assert Compose(pipeline)(dict(image))['inputs'].shape == (3, 224, 224)
     model_cfg = dict(cfg['model'], data_preprocessor=cfg['data_preprocessor'])
-    model_cfg['backbone'] = dict(model_cfg['backbone'], init_cfg=None, arch='tiny')  # no checkpoint here; small
+    model_cfg['backbone'] = dict(model_cfg['backbone'], init_cfg=None)  # no checkpoint here
+    pervit_m = MODELS.build(model_cfg)  # the paper's PerViT-M, 43,723,168 parameters with 1000 classes
+    assert sum(p.numel() for p in pervit_m.parameters()) == 43_723_168 + 685 * (classes - 1000)
+    model_cfg['backbone'] = dict(model_cfg['backbone'], arch='tiny')  # a training step on a small one
     model_cfg['head'] = dict(model_cfg['head'], in_channels=280)
     model = MODELS.build(model_cfg)
     model.init_weights()
