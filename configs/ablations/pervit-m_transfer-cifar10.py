@@ -1,11 +1,11 @@
 # PerViT's transfer study (supplement Tab. A4): PerViT-M fine-tuned on CIFAR-10 from its ImageNet
 # checkpoint (99.1% top-1), with DeiT's fine-tuning recipe for CIFAR as DeiT's authors give it
-# (github.com/facebookresearch/deit, issue 45): 224 x 224 inputs (the 32 x 32 images upsampled),
-# batch 768, SGD lr 0.01, weight decay 1e-4, 1000 epochs, no random erasing and no stochastic
-# depth; the rest as on ImageNet (RandAugment, Mixup, CutMix, label smoothing, repeated
-# augmentation, 5 warm-up epochs from 1e-6, cosine decay).
-# Data: mmpretrain's CIFAR10 (the python batches under data/cifar10); the ImageNet checkpoint
-# under checkpoints/ (posattn's or the release's layout; the classifier is not loaded).
+# (github.com/facebookresearch/deit/issues/45): 224 x 224 inputs (the 32 x 32 images upsampled),
+# batch 768, SGD lr 0.01, weight decay 1e-4, 1000 epochs, no random erasing and no stochastic depth;
+# the rest as on ImageNet (RandAugment, Mixup, CutMix, label smoothing, repeated augmentation, 5
+# warm-up epochs from 1e-6, cosine decay).
+# Data: mmpretrain's CIFAR10 (the python batches under data/cifar10); the ImageNet checkpoint under
+# checkpoints/ (posattn's or the release's layout; the classifier is not loaded).
 _base_ = ['../pervit_m_imagenet.py']
 
 pretrained = 'checkpoints/pervit_medium.pth'

@@ -1,9 +1,9 @@
 # PerViT's transfer study (supplement Tab. A4): PerViT-M fine-tuned on iNaturalist 2019 from its
 # ImageNet checkpoint (78.5% top-1), with DeiT's fine-tuning recipe for iNaturalist as DeiT's
-# authors give it (github.com/facebookresearch/deit, issue 105): batch 768, AdamW lr 7.5e-5 (at
-# that batch), weight decay 0.05, 360 epochs, 5 warm-up epochs from 1e-6 then cosine, stochastic
-# depth 0.1, random erasing 0.1; RandAugment, Mixup, CutMix, label smoothing and repeated
-# augmentation as on ImageNet.
+# authors give it (github.com/facebookresearch/deit/issues/105): batch 768, AdamW lr 7.5e-5 (at that
+# batch), weight decay 0.05, 360 epochs, 5 warm-up epochs from 1e-6 then cosine, stochastic depth
+# 0.1, random erasing 0.1; RandAugment, Mixup, CutMix, label smoothing and repeated augmentation as
+# on ImageNet.
 # Data: data/inat2019 in the published layout (INaturalist2019); the ImageNet checkpoint under
 # checkpoints/ (posattn's or the release's layout; the classifier is not loaded).
 _base_ = ['../pervit_m_imagenet.py']
