@@ -214,6 +214,14 @@ class PeripheralWeights(NamedTuple):
     proj2_bias: Optional[torch.Tensor] = None  # (heads,)
 
 
+def _norm_affine(mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """An instance norm with affine (``weight``, ``bias``: (channels,)) over windows of the given
+    channels-last ``mean`` and ``var``, as one affine per window: x -> scale * x + shift, float64."""
+    scale = weight.double() * torch.rsqrt(var + NORM_EPS)
+    return scale, bias.double() - scale * mean
+
+
 def peripheral_log_attention(height: int, width: int, weights: PeripheralWeights) -> torch.Tensor:
     """log Φp for an H x W grid: (heads, H*W, H*W), indexed [head, query, key].
 
@@ -232,8 +240,7 @@ def peripheral_log_attention(height: int, width: int, weights: PeripheralWeights
     centre = canvas.mean((0, 1))
     mean = means @ kernel.t()  # (H, W, hidden) by window start
     var = ((covariances @ kernel.t()) * kernel.t()).sum(-2)  # (H, W, hidden)
-    scale = w.norm1_weight.double() * torch.rsqrt(var + NORM_EPS)
-    shift = w.norm1_bias.double() - scale * (mean - centre)
+    scale, shift = _norm_affine(mean - centre, var, w.norm1_weight, w.norm1_bias)
     return _LogPeripheralAttention.apply((canvas - centre).to(dtype), scale.to(dtype), shift.to(dtype),
                                          w.proj2_weight, w.norm2_weight, w.norm2_bias)
 
@@ -241,9 +248,10 @@ def peripheral_log_attention(height: int, width: int, weights: PeripheralWeights
 
 def _window_statistics(canvas: torch.Tensor, rows: int, cols: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per channel mean and variance of every ``rows`` x ``cols`` window of a (channels, R, C)
-    float64 canvas: each (channels, R - rows + 1, C - cols + 1), by window start."""
+    float64 canvas, channels last: each (R - rows + 1, C - cols + 1, channels), by window start."""
     mean = _box_means(canvas, rows, cols)
-    return mean, (_box_means(canvas.square(), rows, cols) - mean.square()).clamp_min(0)
+    var = (_box_means(canvas.square(), rows, cols) - mean.square()).clamp_min(0)
+    return mean.permute(1, 2, 0), var.permute(1, 2, 0)
 
 
 def design_log_attention(height: int, width: int, embedding: torch.Tensor, proj2_weight: torch.Tensor,
@@ -265,20 +273,16 @@ def design_log_attention(height: int, width: int, embedding: torch.Tensor, proj2
     if proj1_weight is None:  # one projection: z = IN2(PP(R)) read from the (heads, 2H-1, 2W-1) offset map
         maps = F.conv2d(embedding[None], proj2_weight.double())[0]
         maps = maps - maps.mean((1, 2), keepdim=True)
-        mean, var = _window_statistics(maps, height, width)  # (heads, H, W) by window start
-        scale = norm2_weight.double()[:, None, None] * torch.rsqrt(var + NORM_EPS)
-        shift = norm2_bias.double()[:, None, None] - scale * mean
-        windows = _windows(maps.permute(1, 2, 0), height, width)  # (H, W, heads, H, W)
-        logits = torch.addcmul(shift.permute(1, 2, 0)[..., None, None].to(dtype), windows.to(dtype),
-                               scale.permute(1, 2, 0)[..., None, None].to(dtype))
+        scale, shift = _norm_affine(*_window_statistics(maps, height, width), norm2_weight, norm2_bias)  # (H, W, heads)
+        windows = _windows(maps.permute(1, 2, 0), height, width)  # (H, W, heads, H, W) by window start
+        logits = torch.addcmul(shift[..., None, None].to(dtype), windows.to(dtype), scale[..., None, None].to(dtype))
         log_phi = F.logsigmoid(logits).flip(0, 1)  # window (a, b) is query (H-1-a, W-1-b)
         return log_phi.permute(2, 0, 1, 3, 4).reshape(-1, height * width, height * width)
     canvas = F.conv2d(embedding[None], proj1_weight.double())[0]  # PP1: (hidden, 2H-1+2p, 2W-1+2p)
     canvas = canvas - canvas.mean((1, 2), keepdim=True)
     reach = proj2_weight.shape[-1] - 1
-    mean, var = _window_statistics(canvas, height + reach, width + reach)  # (hidden, H, W)
-    scale = norm1_weight.double()[:, None, None] * torch.rsqrt(var + NORM_EPS)
-    shift = norm1_bias.double()[:, None, None] - scale * mean
-    return _LogPeripheralAttention.apply(*(t.permute(1, 2, 0).to(dtype).contiguous() for t in (canvas, scale, shift)),
+    scale, shift = _norm_affine(*_window_statistics(canvas, height + reach, width + reach), norm1_weight,
+                                norm1_bias)  # (H, W, hidden)
+    return _LogPeripheralAttention.apply(*(t.to(dtype).contiguous() for t in (canvas.permute(1, 2, 0), scale, shift)),
                                          proj2_weight, norm2_weight, norm2_bias)
 
