@@ -1,7 +1,7 @@
 """Checkpoint files, and the layouts of other code bases -> posattn's parameter layout, in one place.
 
-:func:`read_checkpoint` is the one reader of checkpoint files (weights-only, with errors that say
-what a file is when it is not a checkpoint). The models never see a foreign layout:
+:func:`read_checkpoint` is the one reader of checkpoint files (PyTorch's or safetensors, weights-only,
+with errors that say what a file is when it is not a checkpoint). The models never see a foreign layout:
 :func:`posattn.create_model` (``checkpoint=path``) calls :func:`to_posattn_layout`, which
 recognises the layout and converts it here.
 
@@ -55,6 +55,7 @@ reads checkpoints that posattn saved when it still had them).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pickle
 import re
@@ -79,8 +80,25 @@ def allow_checkpoint_globals(safe_globals: Sequence[Any]) -> None:
 
 
 def read_checkpoint(path: Union[str, os.PathLike], map_location: Any = 'cpu') -> Any:
-    """``torch.load(path, weights_only=True)`` with the allowed globals, and errors that say what
-    the file is: missing, empty, truncated, not a PyTorch file, or holding refused objects."""
+    """The contents of a checkpoint file, read weights-only, with errors that say what the file is:
+    missing, empty, truncated, neither format below, or holding refused objects.
+
+    Two formats, told apart by their content (whatever the file's name):
+
+    - PyTorch's (``torch.save``): ``torch.load(path, weights_only=True)`` with the allowed globals.
+    - safetensors (timm's and the Hugging Face Hub's weights, ``.safetensors``): an 8-byte
+      little-endian header length, a JSON header starting with ``{``, then the tensor data; read by
+      the ``safetensors`` package (``pip install safetensors``; timm depends on it) into a flat
+      ``{name: tensor}`` dict, its ``__metadata__`` left out.
+
+    Args:
+        path: the file.
+        map_location: where the tensors go, as for ``torch.load``: a device (``'cpu'``,
+            ``'cuda:0'``, a ``torch.device``) or None (where they were saved; the CPU for a
+            safetensors file). A dict of {saved location: new location} and a function of
+            (storage, location) apply to PyTorch files; for a safetensors file, whose tensors carry
+            no device, a dict maps ``'cpu'`` and a function is refused.
+    """
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f'no checkpoint file at {path}')
@@ -88,13 +106,20 @@ def read_checkpoint(path: Union[str, os.PathLike], map_location: Any = 'cpu') ->
     if size == 0:
         raise ValueError(f'{path} is empty (0 bytes): not a checkpoint, perhaps a failed copy or save')
     with open(path, 'rb') as f:
-        head = f.read(4)
-    zipped = head == b'PK\x03\x04'  # torch.save's format; older files are a bare pickle (0x80 first)
+        head = f.read(_SAFETENSORS_SNIFF)
+    if head[_SAFETENSORS_HEADER_START:_SAFETENSORS_SNIFF] == b'{':
+        return _read_safetensors(path, size, map_location)
+    zipped = head[:4] == b'PK\x03\x04'  # torch.save's format; older files are a bare pickle (0x80 first)
     if not (zipped or head[:1] == b'\x80'):
-        raise ValueError(f'{path} is not a PyTorch checkpoint ({size} bytes starting {head!r})')
+        if path.endswith('.safetensors'):
+            raise ValueError(f'{path} is not a safetensors file ({size} bytes starting {head!r}): one starts with '
+                             f'an 8-byte header length and a JSON header ("{{"); perhaps a truncated copy or download')
+        raise ValueError(f'{path} is not a PyTorch checkpoint or a safetensors file ({size} bytes starting {head!r})')
     try:
-        with torch.serialization.safe_globals(_SAFE_GLOBALS):
-            return torch.load(path, map_location=map_location, weights_only=True)
+        # the open file, not its name: torch.load reads a name ending in .safetensors as safetensors,
+        # whatever the content, which here is PyTorch's
+        with torch.serialization.safe_globals(_SAFE_GLOBALS), open(path, 'rb') as f:
+            return torch.load(f, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as error:
         if 'mmengine' in str(error):
             hint = ('it is a training checkpoint of mmengine (tools/train.py): import posattn_openmmlab '
@@ -106,6 +131,70 @@ def read_checkpoint(path: Union[str, os.PathLike], map_location: Any = 'cpu') ->
     except (EOFError, KeyError, IndexError, RuntimeError, AttributeError, ValueError) as error:
         raise ValueError(f'{path} is a damaged or truncated PyTorch checkpoint ({size} bytes): '
                          f'{type(error).__name__}: {error}') from error
+
+
+# A safetensors file: an 8-byte little-endian header length n, n bytes of JSON starting with '{'
+# ({name: {dtype, shape, data_offsets: [begin, end]}, optional "__metadata__"}), then the data.
+_SAFETENSORS_HEADER_START = 8
+_SAFETENSORS_SNIFF = _SAFETENSORS_HEADER_START + 1
+
+
+def _safetensors_device(path: str, map_location: Any) -> str:
+    """``map_location`` as the device string ``safetensors`` takes; its tensors are saved on the CPU."""
+    if map_location is None:
+        return 'cpu'
+    if isinstance(map_location, Mapping):  # torch's {saved location: new location}
+        map_location = map_location.get('cpu', 'cpu')
+    if callable(map_location):
+        raise TypeError(f'{path} is a safetensors file: map_location may be a device (a string or torch.device), '
+                        f'a dict mapping "cpu" to one, or None (CPU); a function of (storage, location) only '
+                        f'applies to PyTorch checkpoints')
+    try:
+        return str(torch.device(map_location))
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f'map_location={map_location!r} is not a device, reading {path}: {error}') from error
+
+
+def _check_safetensors(path: str, size: int) -> None:
+    """Errors that name what is missing when the safetensors file ``path`` does not hold the header
+    it announces or the tensor data its header describes."""
+    with open(path, 'rb') as f:
+        header_size = int.from_bytes(f.read(_SAFETENSORS_HEADER_START), 'little')
+        header_end = _SAFETENSORS_HEADER_START + header_size
+        if header_end > size:
+            raise ValueError(f'{path} is a truncated safetensors file ({size} bytes): its header alone takes '
+                             f'{header_end} bytes')
+        header = f.read(header_size)
+    try:
+        entries = json.loads(header)
+        data_size = max([int(entry['data_offsets'][1]) for name, entry in entries.items()
+                         if name != '__metadata__'], default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as error:
+        raise ValueError(f'{path} is a damaged safetensors file ({size} bytes): its header is not a table '
+                         f'of tensors: {type(error).__name__}: {error}') from error
+    if header_end + data_size > size:
+        raise ValueError(f'{path} is a truncated safetensors file ({size} bytes): its header describes '
+                         f'{data_size} bytes of tensor data, the file holds {size - header_end}')
+
+
+def _read_safetensors(path: str, size: int, map_location: Any) -> Dict[str, torch.Tensor]:
+    device = _safetensors_device(path, map_location)
+    _check_safetensors(path, size)
+    try:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+    except ImportError as error:
+        raise ImportError(f'{path} is a safetensors file; reading it needs the safetensors package: '
+                          f'pip install safetensors') from error
+    try:
+        tensors = load_file(path, device=device)
+    except SafetensorError as error:
+        raise ValueError(f'{path} could not be read as a safetensors file ({size} bytes, onto {device}): '
+                         f'{error}') from error
+    # load_file maps the file into memory: its CPU tensors would change, or fault, when the file is
+    # rewritten in place (torch.save to the same path). Copies own their memory, as torch.load's do.
+    return {name: tensor.clone() if tensor.device.type == 'cpu' else tensor for name, tensor in tensors.items()}
+
 
 StateDict = Dict[str, torch.Tensor]
 

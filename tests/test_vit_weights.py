@@ -1,8 +1,9 @@
 """Starting posattn's ViT with any Φp from timm's and mmpretrain's ViT / DeiT weights.
 
 The sources are built here with random weights (no downloads): timm's ``deit_tiny_patch16_224``,
-saved bare and as a DeiT training checkpoint (``{'model': ...}``), and mmpretrain's DeiT-Tiny
-classifier, saved as mmengine saves it (``{'state_dict': ..., 'meta': ...}``).
+saved bare, as safetensors (as timm ships its weights) and as a DeiT training checkpoint
+(``{'model': ...}``), and mmpretrain's DeiT-Tiny classifier, saved as mmengine saves it
+(``{'state_dict': ..., 'meta': ...}``).
 """
 import re
 import warnings
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import posattn
-from posattn.convert import to_posattn_layout
+from posattn.convert import read_checkpoint, to_posattn_layout
 
 from conftest import randomised
 
@@ -61,9 +62,14 @@ def checkpoints(tmp_path_factory, timm_deit, mmpretrain_deit):
     expected = {'timm': timm_weights, 'deit_training': timm_weights,
                 'mmpretrain': {k: mmpretrain_weights[mmpretrain_name(k)]
                                for k in posattn.create_model('vit_tiny').state_dict()}}
+    paths = {name: folder / f'{name}.pth' for name in saved}
     for name, content in saved.items():
-        torch.save(content, folder / f'{name}.pth')
-    return {name: (folder / f'{name}.pth', expected[name]) for name in saved}
+        torch.save(content, paths[name])
+    from safetensors.torch import save_file
+    paths['timm_safetensors'] = folder / 'timm.safetensors'
+    save_file(timm_weights, paths['timm_safetensors'])
+    expected['timm_safetensors'] = timm_weights
+    return {name: (path, expected[name]) for name, path in paths.items()}
 
 
 def create_reporting(*args, **kwargs):
@@ -75,15 +81,15 @@ def create_reporting(*args, **kwargs):
 
 
 def test_layouts_are_recognised(checkpoints):
-    layouts = {name: to_posattn_layout(torch.load(path, weights_only=True)) for name, (path, _) in checkpoints.items()}
+    layouts = {name: to_posattn_layout(read_checkpoint(path)) for name, (path, _) in checkpoints.items()}
     assert {name: layout for name, (_, layout) in layouts.items()} == {
-        'timm': 'posattn', 'deit_training': 'posattn', 'mmpretrain': 'mmpretrain ViT'}
+        'timm': 'posattn', 'deit_training': 'posattn', 'mmpretrain': 'mmpretrain ViT', 'timm_safetensors': 'posattn'}
     keys = list(posattn.create_model('vit_tiny').state_dict())
     for state_dict, _ in layouts.values():
         assert sorted(state_dict) == sorted(keys)
 
 
-@pytest.mark.parametrize('source', ['timm', 'deit_training', 'mmpretrain'])
+@pytest.mark.parametrize('source', ['timm', 'deit_training', 'mmpretrain', 'timm_safetensors'])
 def test_phi_none_gives_the_source_logits(checkpoints, timm_deit, mmpretrain_deit, source):
     model, reports = create_reporting('vit_tiny', checkpoint=checkpoints[source][0])
     assert reports == []
@@ -184,7 +190,7 @@ def test_mmpretrain_options_posattn_lacks_are_reported(tmp_path):
         posattn.create_model('vit_tiny', phi='peripheral', checkpoint=saved(tmp_path, {'state_dict': pre_norm}))
 
 
-@pytest.mark.parametrize('source', ['timm', 'mmpretrain'])
+@pytest.mark.parametrize('source', ['timm', 'mmpretrain', 'timm_safetensors'])
 def test_posattn_vit_pretrained_init_starts_the_phi_fresh(checkpoints, monkeypatch, source):
     from posattn_openmmlab import PosattnViT, backbones
     logged = []

@@ -57,10 +57,11 @@ def create_model(name: str, checkpoint: Optional[Union[str, os.PathLike]] = None
 
     Args:
         name: a registered model (``posattn.list_models()``).
-        checkpoint: path of weights to load, in posattn's layout (timm's, for ViT / DeiT) or one
-            that :func:`posattn.convert.to_posattn_layout` recognises (the PerViT release's,
-            mmpretrain's ViT / DeiT, and the classifiers that ``tools/train.py`` writes through
-            mmengine), as a state_dict or a training checkpoint holding it. Read weights-only
+        checkpoint: path of weights to load (a PyTorch file or a safetensors one), in posattn's
+            layout (timm's, for ViT / DeiT) or one that :func:`posattn.convert.to_posattn_layout`
+            recognises (the PerViT release's, mmpretrain's ViT / DeiT, and the classifiers that
+            ``tools/train.py`` writes through mmengine), as a state_dict or a training checkpoint
+            holding it. Read weights-only
             (:func:`posattn.convert.read_checkpoint`) and loaded strictly by :func:`load_pretrained`:
             weights without the model's Φp (a plain ViT / DeiT's) leave the Φp at its own
             initialisation, with a warning naming those keys; any other key that does not fit
