@@ -1,14 +1,17 @@
 """Checkpoints in OpenMMLab training: strict loading (tools/test.py, load_from, the backbones'
 Pretrained init, tools/analyze.py) with the partial-load opt-in, atomic saves, old checkpoints
 kept until the new one is complete, resume from the newest complete checkpoint, one training per
-work_dir, bit-identical weights after a SIGKILL anywhere, and the dense set's stale staging
-folders.
+work_dir (locked before the runner writes anything), what tools/train.py does with a work_dir
+that holds a training already (resume it, report it, or refuse other settings), bit-identical
+weights after a SIGKILL anywhere, and the dense set's stale staging folders.
 
 The fault injection runs tools/train.py through tests/train_with_faults.py, which kills the
 process at a chosen iteration or halfway through writing a chosen file."""
+import itertools
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +21,8 @@ import time
 import numpy as np
 import pytest
 import torch
+from mmengine.evaluator import BaseMetric
+from mmengine.model import BaseModel
 
 import posattn
 import posattn_openmmlab  # noqa: F401
@@ -99,14 +104,34 @@ def uninterrupted(tmp_path_factory):
 # ---------------------------------------------------------------- killed runs and resume
 
 
+def files_in(folder):
+    """{relative path: bytes} of every file under ``folder``."""
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob('*')) if path.is_file()}
+
+
 @pytest.mark.slow
-def test_run_killed_mid_epoch_resumes_to_bit_identical_weights(uninterrupted, tmp_path):
+def test_run_killed_mid_epoch_is_resumed_by_the_same_command_to_bit_identical_weights(uninterrupted, tmp_path):
     killed(tmp_path, '--kill-at-iter', '3')  # the second iteration of epoch 2
     holder = json.loads((tmp_path / 'train.lock').read_text())
     assert 'train_with_faults.py' in holder['command']  # the killed run's lock file stays ...
-    output = train(tmp_path, '--resume')  # ... and holds nothing: the next run takes it
+    output = train(tmp_path)  # ... and holds nothing: the same command again takes it, and resumes
+    assert (f'{tmp_path} holds an unfinished training of this config (newest complete checkpoint '
+            f'{tmp_path / "epoch_1.pth"}, at 1 of 3 epochs): resuming it.') in output
     assert f'Resuming from {tmp_path / "epoch_1.pth"}' in output
     assert_same_weights(uninterrupted / 'epoch_3.pth', tmp_path / 'epoch_3.pth')
+
+
+@pytest.mark.slow
+def test_a_finished_training_run_again_is_reported_not_trained_again(uninterrupted, tmp_path):
+    work_dir = tmp_path / 'finished'
+    shutil.copytree(uninterrupted, work_dir)
+    (work_dir / 'last_checkpoint').write_text(str(work_dir / 'epoch_3.pth'))  # the copy's own
+    before = files_in(work_dir)
+    output = train(work_dir)
+    assert f'{work_dir} holds a finished training of this config (3 of 3 epochs): nothing to train.' in output
+    assert 'Last validation: accuracy/top1: ' in output and f'Last checkpoint: {work_dir / "epoch_3.pth"}' in output
+    assert 'Best checkpoint: ' in output and f'give another --work-dir or delete {work_dir}' in output
+    assert 'Epoch(train)' not in output and files_in(work_dir) == before  # no training, no log folder
 
 
 @pytest.mark.slow
@@ -154,13 +179,20 @@ def test_iteration_based_run_killed_and_resumed_to_bit_identical_weights(tmp_pat
 
 
 @pytest.mark.slow
-def test_second_training_in_a_work_dir_stops_at_its_start(tmp_path):
-    with WorkDirLock(str(tmp_path)):  # this test plays the training that holds the work_dir
+def test_second_training_in_a_work_dir_stops_before_writing_anything(tmp_path):
+    # the files of the training that holds the work_dir, played by this test
+    (tmp_path / 'pervit_t_shapes.py').write_text("# the running training's config dump\n")
+    (tmp_path / '20260101_000000' / 'vis_data').mkdir(parents=True)
+    (tmp_path / '20260101_000000' / '20260101_000000.log').write_text('its log\n')
+    with WorkDirLock(str(tmp_path)):
+        before = files_in(tmp_path)
         _, output = failing(sys.executable, 'tools/train.py', CONFIG, '--work-dir', str(tmp_path),
                             '--cfg-options', *TINY, *EPOCHS)
     assert f'WorkDirInUseError: {tmp_path} is in use by another training: pid {os.getpid()} on ' \
            f'{socket.gethostname()}, started ' in output
-    assert 'give this run another --work-dir' in output and not list(tmp_path.glob('*.pth'))
+    assert 'give this run another --work-dir' in output
+    assert files_in(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == [
+        '20260101_000000', 'pervit_t_shapes.py', 'train.lock']  # no log folder, config dump or checkpoint
 
 
 def test_work_dir_lock_is_exclusive_and_released(tmp_path):
@@ -202,9 +234,17 @@ def test_load_from_a_checkpoint_of_another_model_stops_training(pervit_small_che
 
 @pytest.mark.slow
 def test_tools_test_partial_load_evaluates_and_lists_the_skipped_keys(uninterrupted, tmp_path):
-    output = run_tool(sys.executable, 'tools/test.py', CONFIG, str(uninterrupted / 'epoch_3.pth'), '--partial-load',
-                      '--work-dir', str(tmp_path), '--cfg-options', *TINY, 'model.head.num_classes=7', timeout=600,
-                      env=ONE_THREAD)
+    """... in the work_dir of a running training (played by this test), whose files stay as they are."""
+    (tmp_path / 'pervit_t_shapes.py').write_text("# the running training's config dump\n")
+    with WorkDirLock(str(tmp_path)):
+        before = files_in(tmp_path)
+        output = run_tool(sys.executable, 'tools/test.py', CONFIG, str(uninterrupted / 'epoch_3.pth'),
+                          '--partial-load', '--work-dir', str(tmp_path), '--cfg-options', *TINY,
+                          'model.head.num_classes=7', timeout=600, env=ONE_THREAD)
+    after = files_in(tmp_path)
+    assert {name: after[name] for name in before} == before
+    (log_folder,) = [path for path in tmp_path.iterdir() if path.is_dir()]
+    assert (log_folder / 'pervit_t_shapes.py').is_file()  # the evaluation's own config dump
     assert 'Partial load of checkpoint' in output and '2 keys skipped' in output
     assert 'wrong shape: head.fc.weight: checkpoint (6, 24), model (7, 24)' in output
     assert 'wrong shape: head.fc.bias: checkpoint (6,), model (7,)' in output
@@ -286,24 +326,47 @@ def test_every_config_trains_with_the_posattn_runner_and_safe_checkpoints():
             ('PosattnRunner', 'SafeCheckpointHook', False), path.name
 
 
+class Toy(BaseModel):
+    """A model for runners built in the test process; records mmcv's NMS as each prediction sees it."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(1, 1)
+        self.nms_seen = []
+
+    def forward(self, inputs=None, data_samples=None, mode='tensor'):
+        import mmcv._ext
+        self.nms_seen.append(mmcv._ext.nms)
+        outputs = self.linear(torch.stack(inputs) if isinstance(inputs, list) else inputs)
+        return list(outputs) if mode == 'predict' else outputs
+
+
+class CountMetric(BaseMetric):
+    def process(self, data_batch, data_samples):
+        self.results.append(len(data_samples))
+
+    def compute_metrics(self, results):
+        return dict(count=sum(results))
+
+
+_runner_names = itertools.count()
+# mmengine's training parts, enough for the constructor (it builds them when training starts)
+TRAINING = dict(train_dataloader=dict(dataset=[], batch_size=1), train_cfg=dict(by_epoch=True, max_epochs=1),
+                optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)))
+
+
+def toy_runner(work_dir, **options):
+    from mmengine.registry import DefaultScope
+    from posattn_openmmlab import PosattnRunner
+    with DefaultScope.overwrite_default_scope('mmengine'):  # the runner's scope ends with the block
+        return PosattnRunner(model=Toy(), work_dir=str(work_dir), experiment_name=f'toy_{next(_runner_names)}',
+                             default_hooks=dict(checkpoint=dict(type='SafeCheckpointHook', interval=1)), **options)
+
+
 def test_auto_resume_reads_the_candidates_newest_first(tmp_path):
     """What --resume without a path picks: the pointer's checkpoint when it reads, else the newest
     complete one (an empty pointer included), nothing without checkpoints, an error when all are damaged."""
-    from mmengine.model import BaseModel
-    from mmengine.registry import DefaultScope
-    from posattn_openmmlab import PosattnRunner
-
-    class Toy(BaseModel):
-        def __init__(self):
-            super().__init__()
-            self.linear = torch.nn.Linear(1, 1)
-
-        def forward(self, inputs=None, data_samples=None, mode='tensor'):
-            return self.linear(inputs)
-
-    with DefaultScope.overwrite_default_scope('mmengine'):  # the runner's scope ends with the block
-        runner = PosattnRunner(model=Toy(), work_dir=str(tmp_path), experiment_name=f'auto_resume_{id(tmp_path)}',
-                               default_hooks=dict(checkpoint=dict(type='SafeCheckpointHook', interval=1)))
+    runner = toy_runner(tmp_path)
     assert runner._newest_complete_checkpoint() is None
     for epoch in (1, 2, 10):
         torch.save({'meta': {'epoch': epoch}, 'state_dict': runner.model.state_dict()}, tmp_path / f'epoch_{epoch}.pth')
@@ -323,6 +386,91 @@ def test_tools_use_a_posattn_runner_only():
     from mmengine.config import Config
     with pytest.raises(ValueError, match=r"runner_type='Runner' in the config is not a PosattnRunner"):
         build_runner(Config(dict(runner_type='Runner')))
+
+
+def test_a_training_runner_locks_its_work_dir_before_writing_and_an_evaluating_one_does_not(tmp_path):
+    (tmp_path / 'toy.py').write_text("# the running training's config dump\n")
+    with WorkDirLock(str(tmp_path)):  # this test plays the training that holds the work_dir
+        before = files_in(tmp_path)
+        with pytest.raises(WorkDirInUseError, match=rf'{tmp_path} is in use by another training: pid {os.getpid()}'):
+            toy_runner(tmp_path, **TRAINING)
+        assert files_in(tmp_path) == before and len(list(tmp_path.iterdir())) == 2  # no log folder either
+        evaluating = toy_runner(tmp_path)  # no training parts: no lock, its config dump in its log folder
+        assert files_in(tmp_path)['toy.py'] == before['toy.py']
+        assert (tmp_path / evaluating.timestamp / f'{evaluating.timestamp}.py').is_file()
+    training = toy_runner(tmp_path, **TRAINING)  # the work_dir is free: the lock is held from the constructor ...
+    with pytest.raises(WorkDirInUseError):
+        WorkDirLock(str(tmp_path)).acquire()
+    training._release_work_dir()  # ... until the run ends (here: none runs)
+    WorkDirLock(str(tmp_path)).acquire()
+
+
+def test_runs_route_mmcv_ops_as_configured_and_give_them_back(tmp_path):
+    import mmcv._ext
+    from mmengine.dataset import pseudo_collate
+    from torch.utils.data import DataLoader
+    from posattn_openmmlab.torchvision_ops import devices_without_mmcv_kernels
+
+    def evaluated(**cfg):
+        runner = toy_runner(tmp_path / str(len(cfg)), cfg=cfg, test_cfg=dict(), test_evaluator=[CountMetric()],
+                            test_dataloader=DataLoader([dict(inputs=torch.ones(1))], collate_fn=pseudo_collate))
+        assert runner.test() == dict(count=1)
+        return runner.model.nms_seen[-1]
+
+    mmcv_nms = mmcv._ext.nms
+    routed = evaluated(mmcv_ops_to_torchvision=['cpu'])
+    assert routed is not mmcv_nms and routed.__qualname__.startswith('_nms') and mmcv._ext.nms is mmcv_nms
+    default = evaluated()  # 'auto': CUDA tensors, where mmcv has no CUDA kernels and there is a GPU
+    assert (default is mmcv_nms) == (not devices_without_mmcv_kernels()) and mmcv._ext.nms is mmcv_nms
+    with pytest.raises(ValueError, match=r"mmcv_ops_to_torchvision='cuda' in the config: use 'auto' .* or a list "
+                                         r"of device types, e.g. \['cuda'\]"):
+        evaluated(mmcv_ops_to_torchvision='cuda')
+
+
+def saved_training(work_dir, cfg, epoch, name=None):
+    """A checkpoint as mmengine's runner saves one (its meta holds the config's text), pointed at by
+    last_checkpoint."""
+    work_dir.mkdir(exist_ok=True)
+    path = work_dir / (name or f'epoch_{epoch}.pth')
+    torch.save({'meta': {'cfg': cfg.pretty_text, 'epoch': epoch, 'iter': 2 * epoch}, 'state_dict': {}}, path)
+    (work_dir / 'last_checkpoint').write_text(str(path))
+    return path
+
+
+def test_tools_train_resumes_an_unfinished_training_and_refuses_other_settings(tmp_path, capsys):
+    """tools/train.py without --resume in a work_dir that holds a training already."""
+    import train as train_tool
+
+    def config(*options):
+        args = train_tool.parse_args([str(REPO / CONFIG), '--work-dir', str(tmp_path / 'run'), '--cfg-options',
+                                      *TINY, *EPOCHS, *options])
+        return train_tool.build_config(args)
+
+    cfg = config()
+    assert train_tool.continue_previous_training(cfg) and not cfg.resume  # nothing there: from the beginning
+    latest = saved_training(tmp_path / 'run', config(), epoch=2)
+    assert train_tool.continue_previous_training(cfg) and (cfg.resume, cfg.load_from) == (True, None)
+    assert f'holds an unfinished training of this config (newest complete checkpoint {latest}, at 2 of 3 epochs): ' \
+           'resuming it' in capsys.readouterr().out
+
+    with pytest.raises(SystemExit) as refusal:
+        train_tool.continue_previous_training(config('optim_wrapper.optimizer.lr=0.001', 'train_cfg.max_epochs=4'))
+    assert str(refusal.value).startswith(f'{tmp_path / "run"} holds a training with other settings than this one '
+                                         f'({latest}):\n  optim_wrapper.optimizer.lr: was 0.0003, now 0.001\n'
+                                         f'  train_cfg.max_epochs: was 3, now 4\nTo train from the beginning, '
+                                         f'give another --work-dir or delete')
+    torch.save({'state_dict': {}}, latest)  # no config recorded: not a training of this tool
+    with pytest.raises(SystemExit, match=r'\(the checkpoint records no config\)'):
+        train_tool.continue_previous_training(config())
+
+    truncate(latest)
+    with pytest.raises(SystemExit, match=rf'holds checkpoints of an earlier training, and none reads completely: '
+                                         rf'{latest} \(ValueError: .*give another --work-dir or delete them'):
+        train_tool.continue_previous_training(config())
+
+    (tmp_path / 'run' / 'last_checkpoint').write_text('s3://bucket/run/epoch_2.pth')  # remote: mmengine resumes it
+    cfg = config()
+    assert train_tool.continue_previous_training(cfg) and cfg.resume
 
 
 # ---------------------------------------------------------------- the pieces

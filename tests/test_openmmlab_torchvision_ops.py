@@ -1,6 +1,7 @@
 """mmcv's NMS and RoIAlign routed to torchvision (the GPU path of an mmcv without CUDA kernels),
-checked on CPU: routing CPU tensors must give what mmcv's own CPU kernels give, and Mask R-CNN
-must train and predict with every other mmcv kernel unavailable."""
+checked on CPU: nothing is routed until asked, a routing for a block gives mmcv's functions back,
+routing CPU tensors must give what mmcv's own CPU kernels give, and Mask R-CNN must train and
+predict with every other mmcv kernel unavailable."""
 import pytest
 import torch
 
@@ -8,7 +9,7 @@ import mmcv._ext as ext
 from mmcv.ops import RoIAlign, nms, roi_align
 
 from posattn_openmmlab import torchvision_ops
-from posattn_openmmlab.torchvision_ops import (mmcv_has_cuda_kernels, route_mmcv_ops_to_torchvision,
+from posattn_openmmlab.torchvision_ops import (mmcv_has_cuda_kernels, mmcv_ops_routed, route_mmcv_ops_to_torchvision,
                                                unroute_mmcv_ops)
 from conftest import REPO
 
@@ -18,10 +19,10 @@ ROUTED = ('nms', 'roi_align_forward', 'roi_align_backward')
 
 @pytest.fixture
 def cpu_routed():
-    """CPU tensors go to torchvision for the test; afterwards the default routing is back."""
+    """CPU tensors go to torchvision for the test; afterwards nothing is routed."""
     route_mmcv_ops_to_torchvision(('cpu',))
     yield
-    route_mmcv_ops_to_torchvision()
+    unroute_mmcv_ops()
 
 
 def random_boxes(n, size=100.0, seed=0):
@@ -31,11 +32,33 @@ def random_boxes(n, size=100.0, seed=0):
     return torch.cat([xy, xy + wh], 1), torch.randperm(n, generator=generator).float() / n  # distinct scores
 
 
-def test_default_routing_follows_how_mmcv_was_built():
-    import posattn_openmmlab.detection  # noqa: F401  (routes on import)
+def test_nothing_is_routed_until_asked_and_the_default_follows_how_mmcv_was_built():
+    import posattn_openmmlab.detection  # noqa: F401
+    assert not torchvision_ops._ORIGINALS and all(getattr(ext, name).__module__ == 'mmcv._ext' for name in ROUTED)
     expected = frozenset() if mmcv_has_cuda_kernels() else frozenset({'cuda'})
-    assert route_mmcv_ops_to_torchvision() == expected
-    assert set(torchvision_ops._ORIGINALS) == (set(ROUTED) if expected else set())
+    try:
+        assert route_mmcv_ops_to_torchvision() == expected
+        assert set(torchvision_ops._ORIGINALS) == (set(ROUTED) if expected else set())
+    finally:
+        unroute_mmcv_ops()
+
+
+def test_routing_for_a_block_gives_back_what_was_there():
+    before = {name: getattr(ext, name) for name in ROUTED}
+    with mmcv_ops_routed(('cpu',)) as devices:
+        assert devices == {'cpu'} and all(getattr(ext, name) is not before[name] for name in ROUTED)
+    assert {name: getattr(ext, name) for name in ROUTED} == before
+    route_mmcv_ops_to_torchvision(('cuda',))  # a routing of the user's own, kept through the block
+    try:
+        routed = {name: getattr(ext, name) for name in ROUTED}
+        with mmcv_ops_routed(('cpu',)):
+            assert ext.nms is not routed['nms']
+        assert {name: getattr(ext, name) for name in ROUTED} == routed
+        with mmcv_ops_routed(()):  # nothing to route: nothing touched
+            assert ext.nms is routed['nms']
+    finally:
+        unroute_mmcv_ops()
+    assert {name: getattr(ext, name) for name in ROUTED} == before
 
 
 def test_routed_nms_keeps_the_same_boxes(cpu_routed):
@@ -121,7 +144,6 @@ def test_mask_rcnn_trains_and_predicts_with_no_mmcv_kernel_but_the_routed_ones(m
         losses, grads, predictions = step()
     finally:
         unroute_mmcv_ops()  # back to the unavailable kernels, which monkeypatch then restores
-    route_mmcv_ops_to_torchvision()
 
     assert losses.keys() == expected_losses.keys()
     for key, value in losses.items():

@@ -8,7 +8,8 @@ the whole run). ``--kill-writing NAME`` SIGKILLs it in the middle of writing the
 name contains NAME (whatever file the writer opens for it, final or temporary): half the bytes
 are written and flushed to disk, then the process dies. ``--improving-metric KEY`` replaces the
 validation metric KEY with the epoch number, so that every validation saves a new best
-checkpoint. Nothing else changes: the rest is tools/train.py's ``main``.
+checkpoint. Nothing else changes: the rest is tools/train.py's ``main``, and the hooks join the
+built runner, not the config, so the checkpoints record the config tools/train.py would.
 """
 import argparse
 import builtins
@@ -22,14 +23,12 @@ sys.path.insert(0, str(ROOT / 'tools'))
 
 import train  # noqa: E402  (tools/train.py; puts the repository root on sys.path)
 from mmengine.hooks import Hook  # noqa: E402
-from mmengine.registry import HOOKS  # noqa: E402
 
 
 def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-@HOOKS.register_module()
 class KillAtIterationHook(Hook):
     def __init__(self, iteration):
         self.iteration = iteration
@@ -39,7 +38,6 @@ class KillAtIterationHook(Hook):
             die()
 
 
-@HOOKS.register_module()
 class ImprovingMetricHook(Hook):
     priority = 'HIGHEST'  # before CheckpointHook reads the metrics
 
@@ -96,20 +94,21 @@ def main():
     faults = parser.parse_args(sys.argv[1:split])
     hooks = []
     if faults.kill_at_iter is not None:
-        hooks.append(dict(type='KillAtIterationHook', iteration=faults.kill_at_iter))
+        hooks.append(KillAtIterationHook(faults.kill_at_iter))
     if faults.improving_metric:
-        hooks.append(dict(type='ImprovingMetricHook', key=faults.improving_metric))
+        hooks.append(ImprovingMetricHook(faults.improving_metric))
     if faults.kill_writing:
         kill_while_writing(faults.kill_writing)
 
-    build_config = train.build_config
+    build_runner = train.build_runner
 
-    def with_faults(args):
-        cfg = build_config(args)
-        cfg.custom_hooks = list(cfg.get('custom_hooks') or []) + hooks
-        return cfg
+    def with_faults(cfg):
+        runner = build_runner(cfg)
+        for hook in hooks:
+            runner.register_hook(hook, priority=hook.priority)
+        return runner
 
-    train.build_config = with_faults
+    train.build_runner = with_faults
     train.main(sys.argv[split + 1:])
 
 

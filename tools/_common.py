@@ -9,7 +9,7 @@ import torch
 from mmengine.config import Config, DictAction
 from mmengine.registry import RUNNERS
 
-import posattn_openmmlab  # noqa: F401  (registrations, weights-only checkpoint loader)
+import posattn_openmmlab  # noqa: F401  (the registrations)
 from posattn_openmmlab.runner import PosattnRunner
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -62,8 +62,8 @@ def load_config(args) -> Config:
 
 def build_runner(cfg: Config) -> PosattnRunner:
     """The config's ``runner_type`` (``PosattnRunner`` when it names none), which must be
-    ``PosattnRunner`` or derive from it: the tools rely on its strict loading, exact resume and
-    work_dir lock."""
+    ``PosattnRunner`` or derive from it: the tools rely on its strict, weights-only loading, atomic
+    saves, exact resume and work_dir lock."""
     name = cfg.get('runner_type', 'PosattnRunner')
     runner_cls = RUNNERS.get(name)
     if not (isinstance(runner_cls, type) and issubclass(runner_cls, PosattnRunner)):

@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 from mmengine.config import Config, DictAction
 from mmengine.registry import init_default_scope
-from mmengine.runner import CheckpointLoader, Runner
+from mmengine.runner import Runner
 from mmengine.utils import ProgressBar
 
 from posattn.analysis import (collect_attention_maps, measure_attention, plot_measures, plot_position_maps,
                               plot_sample_attention)
 from posattn.analysis.figures import DEFAULT_DPI
+from posattn_openmmlab.checkpoint import load_checkpoint_file, posattn_checkpoint_loading
 from posattn_openmmlab.runner import load_model_weights
 
 
@@ -60,23 +61,27 @@ def parse_args(argv=None):
 
 
 def build_model(cfg: Config, checkpoint):
-    """The config's classifier in eval mode, with the checkpoint's weights when one is given."""
+    """The config's classifier in eval mode, with the checkpoint's weights when one is given.
+
+    Checkpoints load as ``PosattnRunner`` loads them, weights-only with mmengine's types allowed,
+    those of ``init_cfg`` entries included (``posattn_checkpoint_loading``)."""
     from mmpretrain.registry import MODELS
     model_cfg = cfg.model.copy()
     if cfg.get('data_preprocessor') is not None:  # as mmengine's Runner does: the config's normalisation
         model_cfg.setdefault('data_preprocessor', cfg.data_preprocessor)
-    model = MODELS.build(model_cfg)
-    if checkpoint is None:
-        model.init_weights()
-        return model.eval()
-    loaded = CheckpointLoader.load_checkpoint(checkpoint, map_location='cpu')
-    if isinstance(loaded, dict) and 'state_dict' in loaded:  # written by tools/train.py (mmengine)
-        load_model_weights(model, loaded, source=checkpoint,
-                           target=f'{type(model).__name__} of {cfg.filename}')
-    else:  # backbone weights, posattn or release layout
-        model.init_weights()
-        model.backbone.init_cfg = dict(type='Pretrained', checkpoint=checkpoint)
-        model.backbone.init_weights()
+    with posattn_checkpoint_loading():
+        model = MODELS.build(model_cfg)
+        if checkpoint is None:
+            model.init_weights()
+            return model.eval()
+        loaded = load_checkpoint_file(checkpoint, map_location='cpu')
+        if isinstance(loaded, dict) and 'state_dict' in loaded:  # written by tools/train.py (mmengine)
+            load_model_weights(model, loaded, source=checkpoint,
+                               target=f'{type(model).__name__} of {cfg.filename}')
+        else:  # backbone weights, posattn or release layout
+            model.init_weights()
+            model.backbone.init_cfg = dict(type='Pretrained', checkpoint=checkpoint)
+            model.backbone.init_weights()
     return model.eval()
 
 

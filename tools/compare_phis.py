@@ -149,7 +149,9 @@ def count_parameters(row: Row, options: list) -> int:
     cfg = Config.fromfile(config_path(row.config))
     cfg.merge_from_dict(dict(option.split('=', 1) for option in options))
     init_default_scope(cfg.default_scope)
-    return sum(p.numel() for p in MODELS.build(cfg.model).parameters())
+    from posattn_openmmlab import posattn_checkpoint_loading
+    with posattn_checkpoint_loading():  # a swap row starts from a checkpoint of our own training
+        return sum(p.numel() for p in MODELS.build(cfg.model).parameters())
 
 
 def train(row: Row, options: list, work_dir: Path) -> float:
@@ -189,11 +191,12 @@ def measure_nonlocality(row: Row, options: list, run_dir: Path) -> dict:
 
 
 def read_run(work_dir: Path) -> dict:
-    """Validation top-1 per epoch and mean step time, from the run's mmengine scalars."""
+    """Validation top-1 per epoch and mean step time, from the run's mmengine scalars (every log
+    folder in time order: a run that was resumed has one per start)."""
     logs = sorted(work_dir.glob('*/vis_data/scalars.json'))
     if not logs:
         raise FileNotFoundError(f'no mmengine scalars under {work_dir}')
-    rows = [json.loads(line) for line in logs[-1].read_text().splitlines()]
+    rows = [json.loads(line) for log in logs for line in log.read_text().splitlines()]
     accuracy = [row['accuracy/top1'] for row in rows if 'accuracy/top1' in row]
     step_times = [row['time'] for row in rows if 'loss' in row][SKIPPED_LOGGED_WINDOWS:]
     if not accuracy or not step_times:

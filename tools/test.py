@@ -6,6 +6,10 @@ torchrun (``--launcher pytorch``). Prints the metrics, and writes them as JSON w
 The checkpoint loads strictly: one that does not fit the config's model is an error listing the
 differing keys and, for posattn's models, naming the model the checkpoint holds. ``--partial-load``
 evaluates with the weights that fit and logs every key it skipped.
+
+The runner is built without the config's training parts, so it takes no work_dir lock and writes
+only its own log folder (config dump included): it can evaluate a checkpoint of a training that
+is running in the same work_dir.
 """
 import argparse
 import json
@@ -29,6 +33,8 @@ def build_config(args) -> Config:
     cfg = load_config(args)
     cfg.load_from = args.checkpoint
     cfg.resume = False
+    # evaluation only: no training parts, so the runner neither locks nor writes the work_dir's files
+    cfg.train_dataloader = cfg.train_cfg = cfg.optim_wrapper = cfg.param_scheduler = None
     if args.amp:
         cfg.test_cfg = dict(cfg.get('test_cfg') or {}, fp16=True)
     return cfg

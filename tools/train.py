@@ -4,28 +4,47 @@ The arguments of OpenMMLab's ``tools/train.py``; multi-GPU and multi-node throug
 (``tools/dist_train.sh``, ``--launcher pytorch``). Ends by printing the last validation metrics,
 where the checkpoints are, and (for classifiers) the tools/analyze.py command for the checkpoint.
 
+Run again in a work_dir that holds a training of the same config, without ``--resume``, it does
+not start that training over beside the old one's files: an unfinished training is resumed from its
+newest complete checkpoint, and a finished one is reported (its last validation and checkpoints,
+and how to train again) without training. A work_dir whose checkpoints come from other settings is
+an error that lists the differences. ``--resume`` resumes whatever the settings.
+
 Runs ``PosattnRunner`` (integrations/openmmlab/runner.py): one training per work_dir (a second one
-stops at its start, naming the run that holds it); checkpoints written atomically, old ones removed
-only after the new one is complete; ``--resume`` continues bit for bit where the run stopped (the
-random generators' states are in every checkpoint) and, without a path, from the newest checkpoint
-that reads completely; ``load_from`` and ``--resume`` load strictly unless ``--partial-load``.
+stops before it writes anything, naming the run that holds it); checkpoints written atomically, old
+ones removed only after the new one is complete; ``--resume`` continues bit for bit where the run
+stopped (the random generators' states are in every checkpoint) and, without a path, from the
+newest checkpoint that reads completely; ``load_from`` and ``--resume`` load strictly unless
+``--partial-load``.
 """
 import argparse
+import json
+import os
+from pathlib import Path
+from typing import Iterator, List
 
 from _common import add_runner_arguments, build_runner, load_config, parse_runner_arguments
 from mmengine.config import Config
 from mmengine.dist import is_main_process
 from mmengine.hooks import Hook
 
+from posattn_openmmlab.runner import find_resumable_checkpoint
+
+# Config keys that say how a run is launched or started, not what it trains: a training resumed,
+# or launched with another launcher, is still the same training.
+LAUNCH_KEYS = ('work_dir', 'launcher', 'resume', 'load_from', 'env_cfg', 'model_wrapper_cfg')
+
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description='Train a model with mmengine: one training per work dir, checkpoints written atomically, '
-                    '--resume continuing bit for bit, checkpoints loaded strictly (see docs/openmmlab.md)')
+                    '--resume continuing bit for bit, checkpoints loaded strictly (see docs/openmmlab.md). '
+                    'Run again in the same work dir, it resumes an unfinished training and reports a finished one')
     parser.add_argument('config', help='config file')
     parser.add_argument('--resume', nargs='?', type=str, const='auto',
                         help='resume from a checkpoint; without a path, from the latest in the work dir that '
-                             'reads completely (a damaged latest one is reported and skipped)')
+                             'reads completely (a damaged latest one is reported and skipped), whatever '
+                             'settings it was trained with')
     parser.add_argument('--no-validate', action='store_true', help='skip validation during training')
     parser.add_argument('--auto-scale-lr', action='store_true',
                         help="scale the lr from the config's auto_scale_lr.base_batch_size to the batch used")
@@ -50,6 +69,104 @@ def build_config(args) -> Config:
     return cfg
 
 
+def _differences(old, new, key='') -> Iterator[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        for name in sorted(set(old) | set(new), key=str):
+            inner = f'{key}.{name}' if key else name
+            yield from _differences(old.get(name, '(unset)'), new.get(name, '(unset)'), inner)
+    elif old != new:
+        yield f'{key}: was {_short(old)}, now {_short(new)}'
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + '...'
+
+
+def differing_settings(saved_config: str, cfg: Config) -> List[str]:
+    """Where the config a checkpoint was trained with (its ``meta['cfg']`` text) differs from
+    ``cfg``, :data:`LAUNCH_KEYS` aside: one ``key: was value, now value`` line per setting."""
+    if not saved_config:
+        return ['(the checkpoint records no config)']
+    try:
+        saved = Config.fromstring(saved_config, '.py').to_dict()
+    except Exception as error:  # a config text this mmengine cannot read back
+        return [f'(the config saved in the checkpoint does not read: {type(error).__name__}: {error})']
+    current = Config.fromstring(cfg.pretty_text, '.py').to_dict()  # the same round trip as the saved one
+    for key in LAUNCH_KEYS:
+        saved.pop(key, None)
+        current.pop(key, None)
+    return list(_differences(saved, current))
+
+
+def checkpoint_templates(cfg: Config) -> List[str]:
+    """The file names of the config's periodic checkpoints (CheckpointHook's ``filename_tmpl``)."""
+    hook = (cfg.get('default_hooks') or {}).get('checkpoint') or {}
+    return [hook.get('filename_tmpl') or ('epoch_{}.pth' if hook.get('by_epoch', True) else 'iter_{}.pth')]
+
+
+def last_validation(work_dir: str) -> str:
+    """The metrics of the last validation logged in ``work_dir`` (mmengine's scalars of each run)."""
+    for log in sorted(Path(work_dir).glob('*/vis_data/scalars.json'), reverse=True):
+        rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        validations = [row for row in rows if 'lr' not in row and 'loss' not in row]  # training rows have both
+        if validations:
+            metrics = {k: v for k, v in validations[-1].items() if k not in ('data_time', 'time', 'step')}
+            return ', '.join(f'{k}: {v:.4g}' if isinstance(v, float) else f'{k}: {v}' for k, v in metrics.items())
+    return 'none logged'
+
+
+def continue_previous_training(cfg: Config) -> bool:
+    """What this run does about a training of this config already in its work_dir (called when
+    ``--resume`` is not given). Returns False when there is nothing to train.
+
+    * no checkpoint: True, a training from the beginning;
+    * the checkpoints of an unfinished training: True, with ``cfg`` set to resume it;
+    * those of a finished training: False, after printing its results and how to train again;
+    * checkpoints of other settings, or none that reads completely: SystemExit with the reason
+      and the choices.
+    """
+    work_dir = cfg.work_dir
+    found = find_resumable_checkpoint(work_dir, checkpoint_templates(cfg))
+    if found.path is None and found.damaged:
+        raise SystemExit(f'{work_dir} holds checkpoints of an earlier training, and none reads completely: '
+                         f'{"; ".join(found.damaged)}. To train from the beginning, give another --work-dir or '
+                         f'delete them; --resume PATH resumes from a checkpoint elsewhere.')
+    if found.path is None:
+        return True
+    if found.checkpoint is None:  # remote storage, not read here: resume as mmengine would
+        cfg.resume, cfg.load_from = True, None
+        return True
+    meta = found.checkpoint.get('meta') or {}
+    differences = differing_settings(meta.get('cfg', ''), cfg)
+    if differences:
+        raise SystemExit(f'{work_dir} holds a training with other settings than this one ({found.path}):\n  '
+                         + '\n  '.join(differences) + f'\nTo train from the beginning, give another --work-dir or '
+                         f'delete {work_dir}; to continue from its checkpoints anyway, add --resume.')
+    train_cfg = cfg.get('train_cfg') or {}
+    length = next(((meta.get(step, 0), train_cfg[key], unit) for key, step, unit in
+                   (('max_epochs', 'epoch', 'epochs'), ('max_iters', 'iter', 'iterations')) if key in train_cfg), None)
+    if length is None or length[0] < length[1]:  # a loop that states no length carries on
+        if is_main_process():
+            where = f', at {length[0]} of {length[1]} {length[2]}' if length else ''
+            print(f'{work_dir} holds an unfinished training of this config (newest complete checkpoint '
+                  f'{found.path}{where}): resuming it. To train from the beginning instead, give another '
+                  f'--work-dir or delete {work_dir}.', flush=True)
+        cfg.resume, cfg.load_from = True, None
+        return True
+    if is_main_process():
+        hub = (found.checkpoint.get('message_hub') or {}).get('runtime_info') or {}
+        done, total, unit = length
+        print(f'{work_dir} holds a finished training of this config ({done} of {total} {unit}): nothing to train.')
+        print(f'Last validation: {last_validation(work_dir)}')
+        print(f'Last checkpoint: {found.path}')
+        if hub.get('best_ckpt') is not None:
+            print(f'Best checkpoint: {hub["best_ckpt"]} ({hub.get("best_score", float("nan")):.4g})')
+        print(f'To train from the beginning, give another --work-dir or delete {work_dir}; to train on from '
+              f'{os.path.basename(found.path)} (with a longer schedule), add --resume.')
+    return False
+
+
 class LastMetrics(Hook):
     """Keeps the metrics of the latest validation, for the closing summary."""
 
@@ -62,7 +179,10 @@ class LastMetrics(Hook):
 
 def main(argv=None):
     args = parse_args(argv)
-    runner = build_runner(build_config(args))
+    cfg = build_config(args)
+    if args.resume is None and not continue_previous_training(cfg):
+        return
+    runner = build_runner(cfg)
     last_metrics = LastMetrics()
     runner.register_hook(last_metrics, priority='LOWEST')
     runner.train()

@@ -1,8 +1,8 @@
 # mmengine runtime shared by every classification config: mmpretrain's scope, posattn's
 # registrations, the runner, hooks.
 default_scope = 'mmpretrain'
-# Registers PosattnPerViT / PosattnViT, the datasets, the runner and hooks below, the weights-only
-# checkpoint loader and atomic checkpoint writes.
+# Registers PosattnPerViT / PosattnViT, the datasets, and the runner (weights-only checkpoint
+# loading, atomic checkpoint writes) and hooks below.
 custom_imports = dict(imports=['posattn_openmmlab'], allow_failed_imports=False)
 # Strict checkpoint loading, resume from the newest complete checkpoint, one training per
 # work_dir, exact resume (integrations/openmmlab/runner.py).

@@ -1,7 +1,9 @@
 """posattn in OpenMMLab (mmengine / mmpretrain / mmdet / mmseg): import this module once.
 
 ``custom_imports = dict(imports=['posattn_openmmlab'], allow_failed_imports=False)`` in a
-config (or importing it in a script) does eight things:
+config (or importing it in a script) registers posattn's names in the OpenMMLab registries and
+changes nothing else outside posattn: mmengine's checkpoint loader and file backends, mmcv's ops
+and timm's models stay as they were. It
 
 * registers the backbones ``PosattnPerViT`` and ``PosattnViT`` in mmengine's root ``MODELS``
   (:mod:`.backbones`), visible from every toolbox's registry;
@@ -11,16 +13,25 @@ config (or importing it in a script) does eight things:
   states ``paramwise_cfg`` in a few lines instead of one per parameter;
 * registers the datasets ``PositionalShapes`` (the embedded set), ``CheckedImageNet``,
   ``INaturalist2019`` and ``SubsampledDataset`` in mmpretrain's ``DATASETS`` (:mod:`.datasets`);
-* makes mmengine load local checkpoints weights-only with an allow-list of its own types, so
-  resume, ``load_from`` and testing work on torch >= 2.6 (:mod:`.checkpoint`);
-* makes mmengine write local files atomically, so a killed run never leaves a truncated
-  checkpoint under its final name (:mod:`.atomic`);
 * adds the OpenMMLab attention families to :func:`posattn.swap_attention` (every ``swap_*``
   module here) and registers the config wrapper that swaps a backbone's attention;
-* registers ``PosattnRunner`` in mmengine's root ``RUNNERS`` (:mod:`.runner`: strict loading,
-  resume from the newest complete checkpoint, one training per work_dir, exact resume through
-  ``RandomStateHook``, :mod:`.random_state`) and ``SafeCheckpointHook`` in its root ``HOOKS``
-  (:mod:`.checkpoint_hook`: old checkpoints removed only after the new one is complete).
+* lets posattn's own checkpoint reader (:func:`posattn.convert.read_checkpoint`) accept the types
+  mmengine keeps in its checkpoints (:mod:`.checkpoint`);
+* registers ``PosattnRunner`` in mmengine's root ``RUNNERS`` and ``SafeCheckpointHook`` and
+  ``RandomStateHook`` in its root ``HOOKS``.
+
+What posattn changes in the libraries' behaviour, it changes inside its own runner, hooks,
+backbones and tools. ``PosattnRunner`` (:mod:`.runner`) loads checkpoints strictly and
+weights-only with an allow-list of mmengine's types (:mod:`.checkpoint`, which makes mmengine's
+own checkpoints readable on torch >= 2.6), writes them atomically (:mod:`.atomic`), resumes from
+the newest complete checkpoint, holds the work_dir's lock from its constructor on
+(:mod:`.work_dir_lock`), resumes exactly (:mod:`.random_state`) and, for the duration of its runs,
+routes mmcv's NMS and RoIAlign to torchvision where mmcv has no kernels for the device
+(:mod:`.torchvision_ops`). ``SafeCheckpointHook`` (:mod:`.checkpoint_hook`) removes old
+checkpoints only after the new one is complete. For scripts of your own,
+:func:`~.checkpoint.posattn_checkpoint_loading` (a ``with`` block) reads checkpoints through
+mmengine the runner's way, and :func:`~.torchvision_ops.route_mmcv_ops_to_torchvision` routes
+mmcv's ops.
 
 The detection and segmentation datasets live in their own modules, imported by the configs that
 use them, so that classification needs neither mmdet nor mmseg: :mod:`.detection` registers
@@ -31,18 +42,15 @@ use them, so that classification needs neither mmdet nor mmseg: :mod:`.detection
 import importlib
 import pkgutil
 
-from .atomic import register_atomic_backend
 from .backbones import PosattnPerViT, PosattnViT
-from .checkpoint import register_checkpoint_loader
+from .checkpoint import posattn_checkpoint_loading
 from .checkpoint_hook import SafeCheckpointHook
 from .datasets import CheckedImageNet, PositionalShapes
 from .necks import PosattnSimpleFPN
 from .optim import ParamwiseSummaryOptimWrapperConstructor
 from .random_state import RandomStateHook
 from .runner import PosattnRunner
-
-register_checkpoint_loader()
-register_atomic_backend()
+from .torchvision_ops import route_mmcv_ops_to_torchvision
 
 for _module in pkgutil.iter_modules(__path__):
     if _module.name.startswith('swap_'):
@@ -50,4 +58,4 @@ for _module in pkgutil.iter_modules(__path__):
 
 __all__ = ['PosattnPerViT', 'PosattnViT', 'PosattnSimpleFPN', 'ParamwiseSummaryOptimWrapperConstructor',
            'PositionalShapes', 'CheckedImageNet', 'PosattnRunner', 'SafeCheckpointHook', 'RandomStateHook',
-           'register_checkpoint_loader', 'register_atomic_backend']
+           'posattn_checkpoint_loading', 'route_mmcv_ops_to_torchvision']

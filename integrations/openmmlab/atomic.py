@@ -2,29 +2,26 @@
 
 A training process can die at any instruction (out of memory, a pre-empted node, SIGKILL).
 mmengine's local storage backend writes a checkpoint by truncating the final file and writing
-into it, so a death during the write leaves a truncated file under the real name. Here
-:func:`atomic_write` writes to a temporary file in the same folder, flushes and fsyncs it, renames
-it over the final name (``os.replace``, atomic on POSIX file systems) and fsyncs the folder: the
-name holds the old complete file or the new complete file, never a part of one.
+into it, so a death during the write leaves a truncated file under the real name. Here a file is
+written to a temporary file in the same folder (:func:`atomic_target`), which is flushed, synced and
+renamed over the final name (``os.replace``, atomic on POSIX file systems), and the folder is
+synced: the name holds the old complete file or the new complete file, never a part of one.
 
-:class:`AtomicLocalBackend` is mmengine's ``LocalBackend`` with ``put`` and ``put_text`` through
-:func:`atomic_write`. :func:`register_atomic_backend` makes it mmengine's backend for local paths
-(``register_backend(..., force=True)``), which ``Runner.save_checkpoint`` writes every checkpoint
-through, as do ``mmengine.fileio.put`` / ``dump``. A killed write leaves only its temporary file,
-``.{name}.{pid}.{random}.tmp``, which :func:`remove_partial_writes` deletes once its writer is gone.
+:class:`~posattn_openmmlab.runner.PosattnRunner` saves its checkpoints this way; mmengine's own
+backends, and every other writer in the process, are left as they are. A killed write leaves only
+its temporary file, ``.{name}.{pid}.{random}.tmp``, which :func:`remove_partial_writes` deletes
+once its writer is gone.
 """
 from __future__ import annotations
 
 import os
 import re
 import secrets
+from contextlib import contextmanager
 from pathlib import Path
-from typing import List, Union
+from typing import Iterator, List, Union
 
-from mmengine.fileio import LocalBackend, register_backend
-
-__all__ = ['atomic_write', 'replace_durably', 'AtomicLocalBackend', 'register_atomic_backend',
-           'remove_partial_writes', 'process_is_alive']
+__all__ = ['atomic_target', 'atomic_write', 'replace_durably', 'remove_partial_writes', 'process_is_alive']
 
 PathLike = Union[str, os.PathLike]
 _PARTIAL = re.compile(r'^\..+\.(\d+)\.[0-9a-f]+\.tmp$')  # .{name}.{pid}.{random hex}.tmp
@@ -43,14 +40,15 @@ def replace_durably(source: PathLike, target: PathLike) -> None:
         os.close(descriptor)
 
 
-def atomic_write(path: PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a synced temporary file in the same folder and a rename."""
+@contextmanager
+def atomic_target(path: PathLike) -> Iterator[str]:
+    """A temporary path in ``path``'s folder for the block to write the whole file to; renamed over
+    ``path`` (:func:`replace_durably`) when the block ends, deleted when it raises."""
     path = os.path.abspath(os.fspath(path))
     folder, name = os.path.split(path)
     temporary = os.path.join(folder, f'.{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp')
     try:
-        with open(temporary, 'xb') as f:  # permissions as for any new file (umask), unlike mkstemp's 0600
-            f.write(data)
+        yield temporary
         replace_durably(temporary, path)
     except BaseException:
         if os.path.exists(temporary):
@@ -58,20 +56,11 @@ def atomic_write(path: PathLike, data: bytes) -> None:
         raise
 
 
-class AtomicLocalBackend(LocalBackend):
-    """mmengine's local storage backend, with every write through :func:`atomic_write`."""
-
-    def put(self, obj: bytes, filepath: PathLike) -> None:
-        os.makedirs(os.path.dirname(os.path.abspath(os.fspath(filepath))), exist_ok=True)
-        atomic_write(filepath, obj)
-
-    def put_text(self, obj: str, filepath: PathLike, encoding: str = 'utf-8') -> None:
-        self.put(obj.encode(encoding), filepath)
-
-
-def register_atomic_backend() -> None:
-    """Make :class:`AtomicLocalBackend` mmengine's backend for local paths (idempotent)."""
-    register_backend('local', AtomicLocalBackend, force=True, prefixes='')
+def atomic_write(path: PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a synced temporary file in the same folder and a rename."""
+    with atomic_target(path) as temporary:
+        with open(temporary, 'xb') as f:  # permissions as for any new file (umask), unlike mkstemp's 0600
+            f.write(data)
 
 
 def process_is_alive(pid: int) -> bool:
@@ -86,7 +75,7 @@ def process_is_alive(pid: int) -> bool:
 
 
 def remove_partial_writes(folder: PathLike) -> List[Path]:
-    """Delete the temporary files that killed :func:`atomic_write` calls left in ``folder`` (those
+    """Delete the temporary files that killed :func:`atomic_target` writes left in ``folder`` (those
     whose writing process is gone); returns them."""
     removed = []
     for entry in Path(folder).glob('.*.tmp'):

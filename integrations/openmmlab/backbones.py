@@ -35,7 +35,6 @@ from einops import rearrange
 from mmengine.logging import print_log
 from mmengine.model import BaseModule
 from mmengine.registry import MODELS
-from mmengine.runner import CheckpointLoader
 from torch import nn
 
 from posattn.convert import is_mmpretrain_vit, mmpretrain_vit_to_posattn, to_posattn_layout, unwrap_state_dict
@@ -43,6 +42,8 @@ from posattn.grid import TokenGrid
 from posattn.models.pervit import PERVIT_ARCHS, PerViT
 from posattn.models.registry import load_pretrained
 from posattn.models.vit import VisionTransformer
+
+from .checkpoint import load_checkpoint_file
 
 __all__ = ['PosattnPerViT', 'PosattnViT']
 
@@ -245,9 +246,8 @@ class _TokenBackbone(BaseModule):
                 f'trained with configs/pervit_t_imagenet.py), point the config at it with '
                 f'--cfg-options model.backbone.init_cfg.checkpoint=PATH, or train from scratch with '
                 f'--cfg-options model.backbone.init_cfg=None')
-        # mmengine's CheckpointLoader handles URLs; local files go through the weights-only
-        # loader that posattn_openmmlab.checkpoint registers.
-        raw = CheckpointLoader.load_checkpoint(checkpoint, map_location=cfg.get('map_location', 'cpu'))
+        # local files weights-only with mmengine's types allowed; URLs through mmengine's CheckpointLoader
+        raw = load_checkpoint_file(checkpoint, map_location=cfg.get('map_location', 'cpu'))
         prefix = cfg.get('prefix')
         if prefix is None:
             where = checkpoint

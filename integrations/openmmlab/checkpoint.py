@@ -7,11 +7,10 @@ which the weights-only unpickler refuses. That breaks ``--resume``, ``load_from`
 ``tools/test.py``.
 
 The fix keeps weights-only loading for every file and widens it by an explicit allow-list:
-:func:`load_local_checkpoint` replaces mmengine's loader for local paths (through mmengine's own
-``CheckpointLoader.register_scheme(..., force=True)``) and reads through posattn's one checkpoint
-reader, :func:`posattn.convert.read_checkpoint` (``torch.load(weights_only=True)``, with errors
-that name an empty, truncated or foreign file), after adding to its allow-list
-(:func:`posattn.convert.allow_checkpoint_globals`)
+:func:`load_local_checkpoint` reads through posattn's one checkpoint reader,
+:func:`posattn.convert.read_checkpoint` (``torch.load(weights_only=True)``, with errors that name an
+empty, truncated or foreign file), whose allow-list this module extends
+(:func:`posattn.convert.allow_checkpoint_globals`, when it is imported) by
 
 * the plain-data classes mmengine puts in its checkpoints (``HistoryBuffer``, numpy arrays,
   dtypes and scalars), which rebuild from their state and run no code of the file's choosing;
@@ -23,15 +22,27 @@ that name an empty, truncated or foreign file), after adding to its allow-list
   beside the weights.
 
 Anything else in a file (a pickled function, a module, an arbitrary class) is still refused,
-with an error naming the global; foreign pretrained weights therefore load weights-only. Nothing
-switches weights-only loading off globally (no ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``).
+with an error naming the global; foreign pretrained weights therefore load weights-only.
+
+Who reads this way. mmengine's own ``CheckpointLoader`` is not replaced: code that loads through
+it keeps mmengine's behaviour (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` included, where set). posattn's
+own code reads through :func:`load_checkpoint_file` (local files by :func:`load_local_checkpoint`,
+URLs and remote storage by mmengine's ``CheckpointLoader``): ``PosattnRunner`` (``load_from``,
+``--resume``, ``tools/test.py``), the backbones' ``Pretrained`` init and ``tools/analyze.py``.
+Code of other libraries that the runner calls (the toolboxes' backbones and mmengine's
+``PretrainedInit``, which read ``init_cfg`` checkpoints through ``CheckpointLoader``) reads this
+way inside :func:`posattn_checkpoint_loading`, which the runner holds while it builds, trains,
+validates and tests, and which scripts of your own can use the same way.
 """
 from __future__ import annotations
 
 import argparse
+import contextvars
 import os
 import pickle
-from typing import Any, List, Optional
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import numpy as np
 from mmengine.logging import HistoryBuffer
@@ -39,8 +50,8 @@ from mmengine.runner import CheckpointLoader
 
 from posattn.convert import allow_checkpoint_globals, read_checkpoint
 
-__all__ = ['MMENGINE_CHECKPOINT_GLOBALS', 'history_buffer_method', 'load_local_checkpoint',
-           'register_checkpoint_loader']
+__all__ = ['MMENGINE_CHECKPOINT_GLOBALS', 'history_buffer_method', 'load_local_checkpoint', 'load_checkpoint_file',
+           'posattn_checkpoint_loading']
 
 
 def _numpy_globals() -> List[Any]:
@@ -66,13 +77,14 @@ def history_buffer_method(owner: Any, name: str) -> Any:
 
 MMENGINE_CHECKPOINT_GLOBALS: List[Any] = [HistoryBuffer, argparse.Namespace, *_numpy_globals(),
                                           (history_buffer_method, 'builtins.getattr')]
+allow_checkpoint_globals(MMENGINE_CHECKPOINT_GLOBALS)  # posattn's reader only; torch's own list is untouched
 
 
 def load_local_checkpoint(filename: str, map_location: Optional[Any] = None) -> Any:
     """:func:`posattn.convert.read_checkpoint` with :data:`MMENGINE_CHECKPOINT_GLOBALS` allowed.
 
-    The signature and the missing-file error of mmengine's ``load_from_local``, which this
-    replaces; a file holding objects outside the allow-list raises ``pickle.UnpicklingError``.
+    The signature and the missing-file error of mmengine's ``load_from_local``; a file holding
+    objects outside the allow-list raises ``pickle.UnpicklingError``.
     """
     filename = os.path.expanduser(filename)
     if not os.path.isfile(filename):
@@ -88,7 +100,65 @@ def load_local_checkpoint(filename: str, map_location: Optional[Any] = None) -> 
             f'file, load it yourself and torch.save its state_dict alone.\n{error.__cause__}') from error
 
 
-def register_checkpoint_loader() -> None:
-    """Make :func:`load_local_checkpoint` mmengine's loader for local paths (idempotent)."""
-    allow_checkpoint_globals(MMENGINE_CHECKPOINT_GLOBALS)
-    CheckpointLoader.register_scheme(prefixes='', loader=load_local_checkpoint, force=True)
+def load_checkpoint_file(filename: str, map_location: Optional[Any] = None) -> Any:
+    """A checkpoint as posattn's runner, backbones and tools read it: a local file through
+    :func:`load_local_checkpoint`, a URL or remote path (``https://``, ``open-mmlab://``,
+    ``s3://``, any name with ``://``) through mmengine's ``CheckpointLoader``."""
+    if '://' in str(filename):
+        return CheckpointLoader.load_checkpoint(filename, map_location=map_location)
+    return load_local_checkpoint(str(filename), map_location)
+
+
+# posattn_checkpoint_loading: whether the running thread (or task) is inside the block, and the
+# one loader put into CheckpointLoader while any block is open anywhere in the process.
+_inside = contextvars.ContextVar('posattn_checkpoint_loading', default=False)
+_installing = threading.Lock()
+_open_blocks = 0
+_installed: Optional[Tuple[Callable, Callable]] = None  # (the dispatching loader, the loader it stands in for)
+
+
+def _dispatching_loader(mmengine_loader: Callable) -> Callable:
+    def load_from_local(filename: str, map_location: Any) -> Any:  # mmengine logs a loader by its name
+        if _inside.get():
+            return load_local_checkpoint(filename, map_location)
+        return mmengine_loader(filename, map_location)
+    return load_from_local
+
+
+@contextmanager
+def posattn_checkpoint_loading() -> Iterator[None]:
+    """Inside the block, code running in this thread that loads a local checkpoint through
+    mmengine's ``CheckpointLoader`` (``load_checkpoint``, ``PretrainedInit``, the toolboxes'
+    ``init_weights``) reads it with :func:`load_local_checkpoint`; other threads, and all code once
+    the block ends, get mmengine's loader.
+
+    While any such block is open, ``CheckpointLoader``'s entry for local paths is a small
+    dispatcher that sends other threads' loads to the loader it replaced; the last block to close
+    puts that loader back (the very same object), unless something registered another one for
+    local paths meanwhile, which is then kept. Blocks nest, and may be opened by several threads.
+    A thread started inside the block is outside it.
+
+    ``PosattnRunner`` holds it while it builds the model, trains, validates and tests. Use it in a
+    script of your own that loads one of posattn's training checkpoints through mmengine, e.g.
+    ``with posattn_checkpoint_loading(): model = mmpretrain.get_model(config, pretrained=path)``.
+    """
+    global _open_blocks, _installed
+    with _installing:
+        if _open_blocks == 0:
+            mmengine_loader = CheckpointLoader._schemes['']  # the entry for local paths
+            dispatcher = _dispatching_loader(mmengine_loader)
+            CheckpointLoader._schemes[''] = dispatcher
+            _installed = (dispatcher, mmengine_loader)
+        _open_blocks += 1
+    token = _inside.set(True)
+    try:
+        yield
+    finally:
+        _inside.reset(token)
+        with _installing:
+            _open_blocks -= 1
+            if _open_blocks == 0:
+                dispatcher, mmengine_loader = _installed
+                if CheckpointLoader._schemes.get('') is dispatcher:
+                    CheckpointLoader._schemes[''] = mmengine_loader
+                _installed = None

@@ -11,10 +11,9 @@ changes when things happen:
   removes nothing;
 * the pointer is written in a staging folder (``.last_checkpoint.staging``, removed afterwards) and
   renamed over ``last_checkpoint``;
-* the checkpoint files themselves are written atomically by the storage backend that
-  ``posattn_openmmlab`` registers (:mod:`.atomic`); partial files that killed writes left
-  behind are deleted when training starts (only one training runs in a work_dir:
-  :mod:`.work_dir_lock`).
+* the checkpoint files themselves are written atomically by ``PosattnRunner.save_checkpoint``
+  (:mod:`.atomic`); partial files that killed writes left behind are deleted when training
+  starts (only one training runs in a work_dir: :mod:`.work_dir_lock`).
 
 Every argument is ``CheckpointHook``'s. Configs select it with
 ``default_hooks = dict(checkpoint=dict(type='SafeCheckpointHook', ...))``.

@@ -1,9 +1,10 @@
 """mmdet datasets: the embedded shapes set as COCO instances, and COCO with a clear error when absent.
 
 Import with ``custom_imports = dict(imports=['posattn_openmmlab', 'posattn_openmmlab.detection'])``;
-both register in mmdet's ``DATASETS`` and evaluate with mmdet's ``CocoMetric``. Importing it also
-routes mmcv's NMS and RoIAlign on CUDA tensors to torchvision when mmcv has no CUDA kernels
-(:mod:`.torchvision_ops`), so the detection configs train on a GPU with a CPU-ops mmcv build.
+both register in mmdet's ``DATASETS`` and evaluate with mmdet's ``CocoMetric``. mmcv's ops are left
+as they are: ``PosattnRunner`` routes its NMS and RoIAlign on CUDA tensors to torchvision for
+the duration of its runs when mmcv has no CUDA kernels (:mod:`.torchvision_ops`), so the
+detection configs train on a GPU with a CPU-ops mmcv build.
 """
 from __future__ import annotations
 
@@ -16,11 +17,8 @@ from mmdet.registry import DATASETS
 from .data_checks import require_data
 from .dense_shapes import ensure_dense_shapes
 from .shapes import SHAPES
-from .torchvision_ops import route_mmcv_ops_to_torchvision
 
 __all__ = ['ShapesCocoDataset', 'CheckedCocoDataset']
-
-route_mmcv_ops_to_torchvision()  # CUDA tensors, when mmcv was built without CUDA; else nothing
 
 EMBEDDED_CONFIG = 'configs/mask-rcnn_pervit-t_shapes.py'
 COCO_LAYOUT = """  data/coco/annotations/instances_train2017.json, instances_val2017.json

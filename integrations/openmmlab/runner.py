@@ -2,7 +2,7 @@
 
 mmengine 0.10.7 loads weights with ``strict=False``: a checkpoint of another model (``load_from``,
 ``--resume``, ``tools/test.py``) only logs warnings, and the run goes on with freshly initialised
-weights, training from scratch or evaluating at chance, and exits 0. This runner changes four
+weights, training from scratch or evaluating at chance, and exits 0. This runner changes these
 things and keeps the rest of mmengine's Runner:
 
 * :meth:`~PosattnRunner.load_checkpoint` is strict: a checkpoint that does not fit the model raises
@@ -12,18 +12,34 @@ things and keeps the rest of mmengine's Runner:
   in the config (``--partial-load`` on ``tools/train.py`` and ``tools/test.py``) loads every
   weight that fits and logs each key it skipped; a checkpoint of which nothing fits is an error
   even then.
+* Checkpoints are read weights-only with the allow-list of :mod:`.checkpoint` (which makes
+  mmengine's own checkpoints readable on torch >= 2.6): the runner's own loading directly, and
+  the ``init_cfg`` checkpoints that other libraries' code reads while the runner builds, trains,
+  validates or tests, through :func:`~.checkpoint.posattn_checkpoint_loading`.
+* :meth:`~PosattnRunner.save_checkpoint` writes each local checkpoint to a temporary file beside
+  its name and renames it into place (:mod:`.atomic`), so a killed run never leaves a truncated
+  checkpoint under a checkpoint's name.
 * ``--resume`` without a path resumes from the newest checkpoint that reads completely: when the
   one ``last_checkpoint`` names is truncated or unreadable, the run says so and falls back to the
   next newest of the ``CheckpointHook``'s checkpoints. A path given explicitly is used as it is;
   a damaged one is an error naming the file.
-* :meth:`~PosattnRunner.train` holds the work_dir's lock (:mod:`.work_dir_lock`, rank 0), so a
-  second training in the same work_dir stops at its start.
+* A runner built for training (with mmengine's training parts: ``train_dataloader``,
+  ``train_cfg``, ``optim_wrapper``) takes the work_dir's lock (:mod:`.work_dir_lock`, rank 0) in
+  its constructor, before it writes anything (its log folder and config dump come after), and
+  holds it to the end of its run: a second training in the same work_dir stops at once and leaves
+  the first one's files as they are. A runner without them (``tools/test.py`` builds one) takes
+  no lock and writes its config dump into its own log folder, not over the work_dir's.
+* Its runs route mmcv's NMS and RoIAlign to torchvision where mmcv has no kernels for the device
+  (:mod:`.torchvision_ops`; the config key ``mmcv_ops_to_torchvision``, ``'auto'`` by default:
+  CUDA tensors when mmcv was compiled without CUDA), and give mmcv's ops back when they end.
 * :class:`~.random_state.RandomStateHook` is always registered, so that a resumed run continues
   the random streams of the interrupted one.
 
 Configs select it with ``runner_type = 'PosattnRunner'`` (every config in ``configs/`` does);
 ``tools/train.py`` and ``tools/test.py`` build it. :func:`load_model_weights` is the loading step
-on its own, for tools that build a model without a runner (``tools/analyze.py``).
+on its own, for tools that build a model without a runner (``tools/analyze.py``), and
+:func:`find_resumable_checkpoint` the choice ``--resume`` makes, for tools that decide before
+building one.
 """
 from __future__ import annotations
 
@@ -32,24 +48,26 @@ import os
 import pickle
 import re
 from contextlib import contextmanager
-from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-from mmengine.dist import broadcast_object_list, is_main_process
+from mmengine.dist import broadcast_object_list, is_main_process, master_only
 from mmengine.hooks import CheckpointHook
 from mmengine.logging import print_log
 from mmengine.model import is_model_wrapper
 from mmengine.registry import RUNNERS
-from mmengine.runner import CheckpointLoader, Runner
-from mmengine.runner.checkpoint import find_latest_checkpoint
+from mmengine.runner import Runner
 
 from posattn.convert import is_mmengine_checkpoint, mmengine_to_posattn, to_posattn_layout, without_cancelled_biases
 from posattn.models.registry import fitting_model, load_weights, state_dict_mismatch
 
+from .atomic import atomic_target
+from .checkpoint import load_checkpoint_file, posattn_checkpoint_loading
 from .random_state import RandomStateHook
+from .torchvision_ops import devices_without_mmcv_kernels, mmcv_ops_routed
 from .work_dir_lock import WorkDirInUseError, WorkDirLock
 
-__all__ = ['PosattnRunner', 'load_model_weights']
+__all__ = ['PosattnRunner', 'load_model_weights', 'find_resumable_checkpoint', 'ResumePoint']
 
 PARTIAL_LOAD_HINT = ('  to load only the weights that fit: --partial-load (tools/train.py, tools/test.py) or '
                      'partial_load = True in the config; every skipped key is then logged')
@@ -122,11 +140,79 @@ def load_model_weights(model: torch.nn.Module, checkpoint: Any, *, source: str, 
     return skipped
 
 
+def periodic_checkpoints(folder: str, filename_templates: Sequence[str]) -> List[str]:
+    """The files in ``folder`` named by a ``CheckpointHook``'s ``filename_tmpl`` (``'epoch_{}.pth'``,
+    ``'iter_{}.pth'``), the highest epoch or iteration first."""
+    found = []
+    for template in filename_templates:
+        pattern = re.compile('^' + re.escape(template).replace(r'\{\}', r'(\d+)') + '$')
+        for name in os.listdir(folder) if os.path.isdir(folder) else ():
+            match = pattern.match(name)
+            if match:
+                found.append((int(match.group(1)), os.path.join(folder, name)))
+    return [path for _, path in sorted(found, reverse=True)]
+
+
+class ResumePoint(NamedTuple):
+    """What :func:`find_resumable_checkpoint` found."""
+    path: Optional[str]  # the checkpoint to resume from; None when none reads completely
+    folder: str  # where the checkpoints are
+    damaged: List[str]  # the newer candidates that did not read, each with its error, newest first
+    checkpoint: Any  # path's contents (None for remote storage, which is not read here)
+
+
+def find_resumable_checkpoint(work_dir: str, filename_templates: Sequence[str]) -> ResumePoint:
+    """What ``--resume`` without a path resumes from: the checkpoint ``last_checkpoint`` names when
+    it reads completely, else the newest periodic checkpoint (by ``filename_templates``) that does."""
+    pointer = os.path.join(work_dir, 'last_checkpoint')  # what mmengine's find_latest_checkpoint reads
+    latest = None
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            latest = f.read().strip() or None  # a pointer that a killed plain CheckpointHook emptied
+    if latest is not None and '://' in latest:
+        return ResumePoint(latest, os.path.dirname(latest), [], None)  # remote storage: mmengine reads it
+    folder = os.path.dirname(latest) if latest else work_dir
+    candidates = ([latest] if latest else []) + [p for p in periodic_checkpoints(folder, filename_templates)
+                                                 if p != latest]
+    damaged = []
+    for path in candidates:
+        try:
+            return ResumePoint(path, folder, damaged, load_checkpoint_file(path, map_location='cpu'))
+        except (OSError, ValueError, pickle.UnpicklingError) as error:
+            damaged.append(f'{path} ({type(error).__name__}: {error})')
+    return ResumePoint(None, folder, damaged, None)
+
+
 @RUNNERS.register_module()
 class PosattnRunner(Runner):
-    """mmengine's Runner with strict loading, resume from the newest complete checkpoint, one
-    training per work_dir and exact resume (module docstring). Built like mmengine's Runner,
-    e.g. ``PosattnRunner.from_cfg(cfg)``; reads ``partial_load`` from the config."""
+    """mmengine's Runner with strict, weights-only loading, atomic saves, resume from the newest
+    complete checkpoint, one training per work_dir and exact resume (module docstring). Built like
+    mmengine's Runner, e.g. ``PosattnRunner.from_cfg(cfg)``; reads ``partial_load`` and
+    ``mmcv_ops_to_torchvision`` from the config."""
+
+    def __init__(self, *args, **kwargs):
+        self._work_dir_lock: Optional[WorkDirLock] = None
+        try:
+            with posattn_checkpoint_loading():  # building the model may load init_cfg checkpoints
+                super().__init__(*args, **kwargs)
+        except BaseException:
+            self._release_work_dir()
+            raise
+
+    def setup_env(self, env_cfg) -> None:
+        super().setup_env(env_cfg)
+        # The first point of the constructor where the process group exists and nothing is written
+        # yet (the log folder, log file and config dump come next).
+        if self._train_loop is not None:
+            self._acquire_work_dir()
+
+    @master_only
+    def dump_config(self) -> None:
+        if self._train_loop is not None:
+            super().dump_config()
+        else:  # not the work_dir's training: keep out of its config dump
+            name = os.path.basename(self.cfg.filename) if self.cfg.filename else f'{self.timestamp}.py'
+            self.cfg.dump(os.path.join(self.log_dir, name))
 
     def register_hooks(self, default_hooks=None, custom_hooks=None) -> None:
         super().register_hooks(default_hooks, custom_hooks)
@@ -134,13 +220,43 @@ class PosattnRunner(Runner):
             self.register_hook(RandomStateHook())
 
     def train(self) -> torch.nn.Module:
-        with self._work_dir_held():
+        with self._running(training=True):
             return super().train()
 
+    def val(self) -> dict:
+        with self._running(training=False):
+            return super().val()
+
+    def test(self) -> dict:
+        with self._running(training=False):
+            return super().test()
+
     @contextmanager
-    def _work_dir_held(self) -> Iterator[None]:
-        """The work_dir lock, taken by rank 0; every rank stops when it is refused."""
-        lock, refusal = WorkDirLock(self.work_dir), None
+    def _running(self, training: bool) -> Iterator[None]:
+        """What each run happens in: posattn's checkpoint loading, mmcv's ops routed as configured
+        and, for training, the work_dir's lock (taken now unless the constructor holds it). A lock
+        held since the constructor is released when the run ends, whatever run it is."""
+        if training and self._work_dir_lock is None:
+            self._acquire_work_dir()
+        try:
+            with posattn_checkpoint_loading(), mmcv_ops_routed(self._mmcv_ops_to_torchvision()):
+                yield
+        finally:
+            self._release_work_dir()
+
+    def _mmcv_ops_to_torchvision(self) -> frozenset:
+        """The device types whose tensors mmcv's NMS and RoIAlign send to torchvision during a run."""
+        setting = self.cfg.get('mmcv_ops_to_torchvision', 'auto')
+        if setting == 'auto':
+            return devices_without_mmcv_kernels()
+        if isinstance(setting, str) or not all(isinstance(device, str) for device in setting):
+            raise ValueError(f"mmcv_ops_to_torchvision={setting!r} in the config: use 'auto' (CUDA tensors when "
+                             f"mmcv has no CUDA kernels) or a list of device types, e.g. ['cuda'], or [] for none")
+        return frozenset(setting)
+
+    def _acquire_work_dir(self) -> None:
+        """Take the work_dir's lock (rank 0); every rank stops when it is refused."""
+        lock, refusal = WorkDirLock(self._work_dir), None
         if is_main_process():
             try:
                 lock.acquire()
@@ -152,10 +268,12 @@ class PosattnRunner(Runner):
             refusal = shared[0]
         if refusal is not None:
             raise WorkDirInUseError(refusal)
-        try:
-            yield
-        finally:
-            lock.release()
+        self._work_dir_lock = lock
+
+    def _release_work_dir(self) -> None:
+        if self._work_dir_lock is not None:
+            self._work_dir_lock.release()
+            self._work_dir_lock = None
 
     def load_or_resume(self) -> None:
         if not self._has_loaded and self._resume and self._load_from is None:
@@ -163,56 +281,34 @@ class PosattnRunner(Runner):
             self._resume = self._load_from is not None
         super().load_or_resume()
 
-    def _checkpoints_newest_first(self, folder: str) -> List[str]:
-        """The CheckpointHook's periodic checkpoints in ``folder`` (by its ``filename_tmpl``), the
-        highest epoch or iteration first."""
-        found = []
-        for hook in self.hooks:
-            if isinstance(hook, CheckpointHook) and os.path.isdir(folder):
-                pattern = re.compile('^' + re.escape(hook.filename_tmpl).replace(r'\{\}', r'(\d+)') + '$')
-                for name in os.listdir(folder):
-                    match = pattern.match(name)
-                    if match:
-                        found.append((int(match.group(1)), os.path.join(folder, name)))
-        return [path for _, path in sorted(found, reverse=True)]
-
     def _newest_complete_checkpoint(self) -> Optional[str]:
-        """What ``--resume`` without a path resumes from: the checkpoint ``last_checkpoint`` names
-        when it reads completely, else the newest one that does; None when there is none."""
-        latest = find_latest_checkpoint(self.work_dir) or None  # an empty pointer reads as ''
-        if latest is not None and '://' in latest:
-            return latest  # remote storage: mmengine reads it as it is
-        folder = os.path.dirname(latest) if latest else self.work_dir
-        candidates = ([latest] if latest else []) + [p for p in self._checkpoints_newest_first(folder) if p != latest]
-        damaged = []
-        for path in candidates:
-            try:
-                CheckpointLoader.load_checkpoint(path, map_location='cpu')
-            except (OSError, ValueError, pickle.UnpicklingError) as error:
-                damaged.append(f'{path} ({type(error).__name__}: {error})')
-                continue
-            if damaged:
-                self.logger.warning(f'Cannot resume from the latest checkpoint: {damaged[0]}. Resuming from {path}, '
-                                    f'the newest complete checkpoint in {folder}'
-                                    + (f'; also damaged: {"; ".join(damaged[1:])}' if len(damaged) > 1 else ''))
-            else:
-                self.logger.info(f'Resuming from {path}, the latest checkpoint in {folder}')
-            return path
-        if damaged:
+        """What ``--resume`` without a path resumes from (:func:`find_resumable_checkpoint` with the
+        ``CheckpointHook``'s file names), said in the log; None when there is no checkpoint."""
+        templates = [hook.filename_tmpl for hook in self.hooks if isinstance(hook, CheckpointHook)]
+        path, folder, damaged, _ = find_resumable_checkpoint(self.work_dir, templates)
+        if path is not None and damaged:
+            self.logger.warning(f'Cannot resume from the latest checkpoint: {damaged[0]}. Resuming from {path}, '
+                                f'the newest complete checkpoint in {folder}'
+                                + (f'; also damaged: {"; ".join(damaged[1:])}' if len(damaged) > 1 else ''))
+        elif path is not None:
+            self.logger.info(f'Resuming from {path}, the latest checkpoint in {folder}')
+        elif damaged:
             raise RuntimeError(f'--resume found no complete checkpoint in {folder}; every one is damaged: '
                                f'{"; ".join(damaged)}. Resume from another file with --resume PATH, or start '
                                f'again without --resume.')
-        self.logger.info(f'No checkpoint to resume from in {self.work_dir}: training starts from the beginning')
-        return None
+        else:
+            self.logger.info(f'No checkpoint to resume from in {self.work_dir}: training starts from the beginning')
+        return path
 
     def load_checkpoint(self, filename: str, map_location: Any = 'cpu', strict: Optional[bool] = None,
                         revise_keys: Sequence[Tuple[str, str]] = ((r'^module\.', ''),)) -> dict:
-        """Read ``filename`` and load its weights into the model through :func:`load_model_weights`.
+        """Read ``filename`` weights-only (:func:`~.checkpoint.load_checkpoint_file`) and load its
+        weights into the model through :func:`load_model_weights`.
 
         ``strict=None`` (what ``load_from``, ``resume`` and ``tools/test.py`` use) follows the
         config: strict unless ``partial_load = True``. Returns the checkpoint, as mmengine's does.
         """
-        checkpoint = CheckpointLoader.load_checkpoint(filename, map_location=map_location)
+        checkpoint = load_checkpoint_file(filename, map_location=map_location)
         self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
         model = self.model.module if is_model_wrapper(self.model) else self.model
         partial = bool(self.cfg.get('partial_load', False)) if strict is None else not strict
@@ -222,3 +318,17 @@ class PosattnRunner(Runner):
         self._has_loaded = True
         self.logger.info(f'Load checkpoint from {filename}')
         return checkpoint
+
+    @master_only
+    def save_checkpoint(self, out_dir: str, filename: str, file_client_args: Optional[dict] = None,
+                        save_optimizer: bool = True, save_param_scheduler: bool = True, meta: Optional[dict] = None,
+                        by_epoch: bool = True, backend_args: Optional[dict] = None) -> None:
+        """mmengine's, with a local checkpoint written to a temporary file in its folder and renamed
+        over its name (:func:`~.atomic.atomic_target`). Remote storage, or ``file_client_args`` /
+        ``backend_args`` given: mmengine's, as it is."""
+        options = dict(save_optimizer=save_optimizer, save_param_scheduler=save_param_scheduler, meta=meta,
+                       by_epoch=by_epoch)
+        if file_client_args is not None or backend_args is not None or '://' in str(out_dir):
+            return super().save_checkpoint(out_dir, filename, file_client_args, backend_args=backend_args, **options)
+        with atomic_target(os.path.join(out_dir, filename)) as temporary:
+            super().save_checkpoint(os.path.dirname(temporary), os.path.basename(temporary), **options)

@@ -15,15 +15,22 @@ mmcv's own kernels. By default it routes CUDA tensors when mmcv was compiled wit
 does nothing otherwise. Both libraries define RoIAlign the same way (Mask R-CNN's, with
 ``aligned`` shifting by half a pixel and ``sampling_ratio=0`` adaptive), which the tests check on
 CPU by routing CPU tensors and comparing with mmcv's kernels. UPerNet calls no mmcv op.
+
+Nothing is routed unless asked: importing ``posattn_openmmlab`` leaves ``mmcv._ext`` as it is.
+``PosattnRunner`` routes for the duration of its own runs (:func:`mmcv_ops_routed`; the config key
+``mmcv_ops_to_torchvision``, by default :func:`devices_without_mmcv_kernels`); a script of your own
+calls :func:`route_mmcv_ops_to_torchvision`, or uses :func:`mmcv_ops_routed` around its work.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 import torch
 import torchvision  # noqa: F401  (registers torch.ops.torchvision)
 
-__all__ = ['mmcv_has_cuda_kernels', 'route_mmcv_ops_to_torchvision', 'unroute_mmcv_ops']
+__all__ = ['mmcv_has_cuda_kernels', 'devices_without_mmcv_kernels', 'route_mmcv_ops_to_torchvision',
+           'unroute_mmcv_ops', 'mmcv_ops_routed']
 
 _AVERAGE_POOLING = 1  # mmcv's pool_mode code for 'avg' (0 is 'max', which torchvision lacks)
 _ORIGINALS: Dict[str, Callable] = {}
@@ -33,6 +40,14 @@ def mmcv_has_cuda_kernels() -> bool:
     """Whether the installed mmcv was compiled with its CUDA kernels."""
     from mmcv.ops import get_compiling_cuda_version
     return get_compiling_cuda_version() != 'not available'
+
+
+def devices_without_mmcv_kernels() -> frozenset:
+    """``{'cuda'}`` when this process sees a GPU and mmcv was compiled without its CUDA kernels,
+    else nothing (mmcv is not even imported without a GPU)."""
+    if not torch.cuda.is_available() or mmcv_has_cuda_kernels():
+        return frozenset()
+    return frozenset({'cuda'})
 
 
 def _nms(original: Callable, devices: frozenset) -> Callable:
@@ -100,3 +115,26 @@ def unroute_mmcv_ops() -> None:
     for name, original in _ORIGINALS.items():
         setattr(ext, name, original)
     _ORIGINALS.clear()
+
+
+@contextmanager
+def mmcv_ops_routed(devices: Iterable[str]) -> Iterator[frozenset]:
+    """:func:`route_mmcv_ops_to_torchvision` for ``devices`` during the block; at its end
+    ``mmcv._ext`` holds exactly the functions it held before (an earlier routing included). No
+    devices: nothing is touched. The routing is the module's, so for the block's duration it
+    applies to every thread of the process."""
+    devices = frozenset(devices)
+    if not devices:
+        yield devices
+        return
+    import mmcv._ext as ext
+    before = {name: getattr(ext, name) for name in _WRAPPERS}
+    originals = dict(_ORIGINALS)
+    route_mmcv_ops_to_torchvision(devices)
+    try:
+        yield devices
+    finally:
+        for name, function in before.items():
+            setattr(ext, name, function)
+        _ORIGINALS.clear()
+        _ORIGINALS.update(originals)
