@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from common import op_profile, peak_memory_mb, print_table, save_json, step_profile, time_interleaved
 
-from posattn import Attention, TokenGrid, reference
+from posattn import Attention, TokenGrid, cache_positions, reference
 from posattn.functional import biased_attention
 
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16}
@@ -97,9 +97,13 @@ def run(args) -> List[Dict[str, object]]:
                 with torch.no_grad(), autocast:
                     layers[phi](x, grid)
             return forward
-        rows.append(compare('eval forward, Φp cached', size,
+        rows.append(compare('eval forward, Φp each call', size,
                             {'peripheral': inference('peripheral'), 'none': inference('none')},
-                            'time <= 1.15x', lambda r: r['A/B time'] <= 1.15, args))
+                            'report', None, args))
+        with cache_positions(layers['peripheral']):
+            rows.append(compare('eval forward, cache_positions', size,
+                                {'peripheral': inference('peripheral'), 'none': inference('none')},
+                                'time <= 1.15x', lambda r: r['A/B time'] <= 1.15, args))
 
         qkv = [torch.randn(batch, heads, tokens, dim // heads, device=device, dtype=dtype,
                            requires_grad=True) for _ in range(3)]

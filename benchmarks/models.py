@@ -10,8 +10,9 @@ Side by side in one run, timed round-robin (median of ``--repeat`` rounds):
   attention layer replaced by :class:`ReleaseMPA`, the release's MPA written the straightforward
   way (Φp from the full distance tensor through conv / GroupNorm for every query, then
   ``normalize(exp(S - max S) * Φp, p=1) V``);
-- inference (eval, no grad) of the same models: posattn caches Φp after the first call, the
-  release's layer recomputes it on every call, as the release does;
+- inference (eval, no grad) of the same models, inside ``posattn.cache_positions`` (Φp computed
+  on the first call, then served again; ``benchmarks/eval_cache.py`` measures it without), the
+  release's layer recomputing it on every call, as the release does;
 - peak memory of each (CPU: allocator events; CUDA: the allocator's peak).
 Targets: PerViT-T step <= 1.6x DeiT-T's at batch 8 and <= 1.5x at batch 32 (other batches:
 1.5x), posattn >= 1.5x faster than the release's layer, inference <= 1.15x DeiT-T's. Then where
@@ -27,6 +28,7 @@ Prints the tables and saves ``benchmarks/results/models-<device>-<dtype>[-compil
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import time
 from typing import Callable, Dict, List
@@ -112,10 +114,13 @@ def first_call_s(fn: Callable[[], None], device: torch.device) -> float:
 
 def inference(model: nn.Module, images: torch.Tensor, autocast) -> Callable[[], None]:
     model = copy.deepcopy(model).eval()
+    cache = contextlib.ExitStack()
+    cache.enter_context(posattn.cache_positions(model))  # for the benchmark's lifetime
 
     def forward():
         with torch.no_grad(), autocast:
             model(images)
+    forward.cache = cache  # kept alive with the closure
     return forward
 
 
@@ -124,8 +129,8 @@ def gmac(model: nn.Module, images: torch.Tensor, phi_counted: bool, attention_co
     counted: train mode, where every layer computes it (independent of the batch). Without
     ``attention_counted``, q k^T and A v are left out too, which reproduces the paper's figures."""
     model.train(phi_counted)
-    with torch.no_grad():
-        model(images)  # fills the eval caches
+    with torch.no_grad(), posattn.cache_positions(model):
+        model(images)  # fills the position cache
         with FlopCounterMode(display=False, custom_mapping=FLOP_MAPPING if attention_counted else {}) as counter:
             model(images)
     model.eval()

@@ -7,6 +7,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
+from ._memory import check_fits
 from .functional import attention_probs, biased_attention
 from .grid import GridLike, TokenGrid
 from .phi import PositionalModule, build_layer_phi
@@ -79,7 +80,7 @@ class Attention(nn.Module):
         else:
             self.phi = build_layer_phi(phi, phi_cfg, dim=dim, num_heads=num_heads,
                                        num_prefix_tokens=num_prefix_tokens)
-        if not content and (qk_norm or type(self.phi).logits_bias is PositionalModule.logits_bias):
+        if not content and (qk_norm or not self.phi.gives_logits_bias):
             raise ValueError('content=False attends by the Φp\'s logits bias alone: it needs a Φp that '
                              f'gives one (not {type(self.phi).__name__}) and no qk_norm')
         self.content = content
@@ -137,7 +138,8 @@ class Attention(nn.Module):
         ``own_bias``: an additive logits bias broadcastable to (B, heads, N, N) that is not the
         Φp's (a swapped model's own relative positions or shift mask), or None.
         """
-        phi_bias = self.phi.logits_bias(q, k, grid)
+        self._check_memory(q, grid)
+        phi_bias = self.phi(q, k, grid) if self.phi.gives_logits_bias else None  # called: its hooks run
         self.logits_probe(q, k, phi_bias, grid, key_mask=key_mask, own_bias=own_bias)
         bias = phi_bias if own_bias is None else own_bias if phi_bias is None else phi_bias + own_bias
         if self.phi.uses_attention_probs or (self.training and self.attn_drop.p > 0):
@@ -149,6 +151,19 @@ class Attention(nn.Module):
         else:
             out = biased_attention(q, k, v, bias, key_mask)
         return rearrange(out, 'b h n d -> b n (h d)')
+
+    def _check_memory(self, q: torch.Tensor, grid: TokenGrid) -> None:
+        """Fail before the work when the (heads, N, N) terms this call needs cannot fit: a
+        positional bias (and its computation, about as large again), and the attention
+        probabilities (B, heads, N, N) where they are materialised."""
+        batch, heads, tokens, _ = q.shape
+        pair_terms = 2 if self.phi.gives_logits_bias else 0
+        if self.phi.uses_attention_probs or (self.training and self.attn_drop.p > 0):
+            pair_terms += 2 * batch
+        nbytes = pair_terms * heads * tokens * tokens * q.element_size()
+        check_fits(nbytes, q.device, f'attention over {tokens} tokens ({grid}) in {heads} heads',
+                   'give it a smaller input, or attend within windows (posattn.window, the dense '
+                   'backbones\' window_size)')
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.dim() != 3:

@@ -158,11 +158,12 @@ def test_a_frozen_phi_keeps_its_initialisation_through_training(phi_init):
     before = training_step(model)
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]) == (name in frozen), name
-    model.eval()  # frozen: the eval cache serves Φp even with gradients on
+    model.eval()  # frozen: the position cache serves Φp even with gradients on
     phi = model.blocks[1].attn.phi
     q = torch.empty(1, 4, 20, 8)
-    first = phi.logits_bias(q, q, TokenGrid(4, 5))
-    assert phi.logits_bias(q, q, TokenGrid(4, 5)) is first
+    with posattn.cache_positions(model):
+        first = phi.logits_bias(q, q, TokenGrid(4, 5))
+        assert phi.logits_bias(q, q, TokenGrid(4, 5)) is first
 
 
 def test_bad_ablation_options_are_named():
@@ -379,8 +380,8 @@ def paper_gmac(backbone):
     from torch.utils.flop_counter import FlopCounterMode
     images = torch.randn(1, 3, 224, 224)
     backbone.eval()
-    with torch.no_grad():
-        backbone(images)  # fills the Φp caches
+    with torch.no_grad(), posattn.cache_positions(backbone):
+        backbone(images)  # fills the Φp cache
         with FlopCounterMode(display=False) as counter:
             backbone(images)
     return counter.get_total_flops() / 2 / 1e9

@@ -89,65 +89,6 @@ def test_float32_layer_tracks_float64_layer():
     assert error < 1e-5
 
 
-class TestEvalCache:
-    def setup_method(self):
-        self.layer = Attention(16, 2, phi='peripheral', num_prefix_tokens=1).eval()
-        self.x = torch.randn(2, 21, 16)
-        self.q = torch.randn(2, 2, 21, 8)
-
-    def bias(self, grid=TokenGrid(4, 5, 1)):
-        with torch.no_grad():
-            return self.layer.phi.logits_bias(self.q, self.q, grid)
-
-    def test_eval_reuses_the_bias(self):
-        assert self.bias() is self.bias()
-        assert self.bias(TokenGrid(5, 4, 1)).shape == (1, 2, 21, 21)
-        assert self.bias(TokenGrid(5, 4, 1)) is not self.bias()
-
-    def test_parameter_update_invalidates(self):
-        before = self.bias()
-        optimiser = torch.optim.SGD(self.layer.parameters(), lr=0.5)
-        self.layer.train()
-        self.layer(self.x, (4, 5)).square().sum().backward()
-        optimiser.step()
-        self.layer.eval()
-        after = self.bias()
-        assert after is not before and not torch.equal(after, before)
-        with torch.no_grad():
-            self.layer.phi.distance_embedding.weight.mul_(2)
-        assert not torch.equal(self.bias(), after)
-
-    def test_load_state_dict_and_train_invalidate(self):
-        before = self.bias()
-        other = Attention(16, 2, phi='peripheral', num_prefix_tokens=1)
-        with torch.no_grad():
-            other.phi.norm2_bias.fill_(1.0)
-        self.layer.load_state_dict(other.state_dict())
-        assert not torch.equal(self.bias(), before)
-        self.layer.train()
-        assert not self.layer.phi._cache
-        self.layer.eval()
-        assert self.bias() is self.bias()
-
-    def test_training_and_gradients_are_never_cached(self):
-        self.layer.train()
-        with torch.no_grad():
-            assert self.layer.phi.logits_bias(self.q, self.q, TokenGrid(4, 5, 1)) is not self.bias()
-        self.layer.eval()
-        bias = self.layer.phi.logits_bias(self.q, self.q, TokenGrid(4, 5, 1))  # grad enabled
-        assert bias.requires_grad
-        self.layer(self.x, (4, 5)).sum().backward()
-        assert self.layer.phi.proj1_weight.grad is not None
-
-    def test_cached_output_equals_recomputed(self):
-        with torch.no_grad():
-            cached = self.layer(self.x, (4, 5))
-            cached_again = self.layer(self.x, (4, 5))
-        fresh = self.layer(self.x, (4, 5))
-        torch.testing.assert_close(cached, fresh)
-        assert torch.equal(cached, cached_again)
-
-
 def test_bf16_autocast_keeps_phi_finite():
     layer = Attention(32, 4, phi='peripheral', phi_cfg=dict(layer_index=0, num_layers=12))
     x = torch.randn(2, 49, 32)

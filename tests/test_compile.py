@@ -1,6 +1,6 @@
 """torch.compile of a training step with ``fullgraph=True``: no graph break in any model (PerViT-T, the
 ViT with each Φp, the windowed dense backbone, swapped timm ViT and Swin), the same loss and
-gradients as eager; inference through the eval caches likewise; and Inductor's compiled step on
+gradients as eager; inference inside posattn.cache_positions likewise; and Inductor's compiled step on
 one small model."""
 import pytest
 import torch
@@ -67,11 +67,11 @@ def test_inductor_training_step_matches_eager():
 
 
 @pytest.mark.parametrize('name', ['pervit_tiny', 'vit_tiny_peripheral', 'vit_tiny_irpe'])
-def test_inference_with_the_eval_caches_compiles_as_one_graph(name):
+def test_inference_inside_the_position_cache_compiles_as_one_graph(name):
     torch._dynamo.reset()
     model = MODELS[name]().eval()
     x = torch.randn(2, 3, 64, 64)
-    with torch.no_grad():
+    with torch.no_grad(), posattn.cache_positions(model):
         expected = model(x)
         compiled = torch.compile(model, backend='eager', fullgraph=True)
         torch.testing.assert_close(compiled(x), expected, rtol=1e-6, atol=1e-6)

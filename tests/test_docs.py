@@ -1,5 +1,6 @@
 """The code in the docs runs as written."""
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ def python_blocks(path):
 
 def test_adding_your_own_phi_example(monkeypatch):
     monkeypatch.setattr(registry, '_PHIS', dict(registry._PHIS))
-    (example,) = python_blocks(DOCS / 'phi.md')
+    (example,) = [block for block in python_blocks(DOCS / 'phi.md') if 'register_phi' in block]
     namespace = {}
     exec(compile(example, 'docs/phi.md', 'exec'), namespace)
     out = namespace['out']
@@ -26,6 +27,18 @@ def test_adding_your_own_phi_example(monkeypatch):
     bias = namespace['layer'].phi.logits_bias(torch.zeros(1, 4, 43, 16), None, TokenGrid(6, 7, 1))
     assert bias.shape == (1, 4, 43, 43) and bias[0, 0, 1, 2].item() == pytest.approx(-0.25)
     assert torch.all(bias[0, :, 0] == 0)
+
+
+def test_position_cache_example():
+    import posattn
+    (example,) = [block for block in python_blocks(DOCS / 'phi.md') if 'cache_positions' in block]
+    model = posattn.create_model('pervit_tiny', num_classes=3)
+    namespace = dict(posattn=posattn, model=model, loader=[torch.randn(1, 3, 64, 64)] * 2)
+    with torch.no_grad():
+        exec(compile(textwrap.dedent(example), 'docs/phi.md', 'exec'), namespace)
+    assert namespace['logits'].shape == (1, 3)
+    assert namespace['cache'].nbytes == 0 and all(
+        phi.position_cache is None for phi in model.modules() if isinstance(phi, posattn.PositionalModule))
 
 
 def test_readme_quick_start():

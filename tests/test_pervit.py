@@ -103,7 +103,7 @@ def test_large_non_square_input(tiny, phi_calls):
     assert set(phi_calls) == {(32, 40)}
 
 
-def test_train_recomputes_phi_once_per_layer_and_eval_caches(phi_calls):
+def test_phi_is_computed_once_per_layer_and_forward_unless_cached(phi_calls):
     model = posattn.create_model('pervit_tiny', num_classes=10)
     images = torch.randn(2, 3, 64, 96)
     model.train()
@@ -113,10 +113,13 @@ def test_train_recomputes_phi_once_per_layer_and_eval_caches(phi_calls):
     model.eval()
     with torch.no_grad():
         first = model(images)
-        second = model(images)
-        assert len(phi_calls) == 36  # the second eval forward reads the cache
-        model(torch.randn(1, 3, 32, 32))
-    assert phi_calls[36:] == [(2, 2)] * 12
+        assert len(phi_calls) == 36
+        with posattn.cache_positions(model):
+            model(images)
+            second = model(images)
+            assert len(phi_calls) == 48  # the second forward in the cache reads it
+            model(torch.randn(1, 3, 32, 32))
+    assert phi_calls[48:] == [(2, 2)] * 12
     torch.testing.assert_close(first, second, rtol=0, atol=0)
 
 

@@ -69,7 +69,9 @@ def test_a_copy_follows_its_own_inputs():
     with torch.no_grad():
         clone(torch.randn(1, 3, 24, 40))
     assert clone.blocks[1].attn.current_grid() == posattn.TokenGrid(3, 5, 1)
-    assert swapped.blocks[1].attn.grid_probe.hw is None
+    assert clone.blocks[1].attn.grid_tracker is not swapped.blocks[1].attn.grid_tracker
+    with pytest.raises(RuntimeError, match='run the whole model'):
+        swapped.blocks[1].attn.current_grid()  # the original never ran
 
 
 def test_fine_tuning_a_swapped_model_lowers_the_loss():

@@ -1,26 +1,34 @@
-"""posattn's models as timm models: registered with timm, timm's model API, and the checks timm's own
-model tests (``tests/test_models.py`` in timm's repository) run on every model, with its input sizes:
-forward at up to 384, backward at 128 with ``num_classes=42`` and a gradient for every parameter,
-the pretrained config against the model, classifier resets, ``forward_intermediates`` and
+"""posattn's models as timm models: registered with timm by ``posattn.register_timm_models()``
+(never by importing posattn), timm's model API, and the checks timm's own model tests
+(``tests/test_models.py`` in timm's repository) run on every model, with its input sizes: forward
+at up to 384, backward at 128 with ``num_classes=42`` and a gradient for every parameter, the
+pretrained config against the model, classifier resets, ``forward_intermediates`` and
 ``features_only`` at 96."""
 import argparse
 import math
 import pickle
+import re
+import subprocess
+import sys
+import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 import posattn
+from posattn.models.pervit import PERVIT_ARCHS
+from posattn.models.vit import VIT_ARCHS
 
 from release_pervit import ReleasePerViT
 
 timm = pytest.importorskip('timm')
 import timm.optim  # noqa: E402 (after the skip)
 
-NAMES = posattn.list_models()
+NAMES = posattn.register_timm_models()
 FORWARD_SIZE, BACKWARD_SIZE, FEATURES_SIZE = 384, 128, 96  # timm's TARGET_FWD_SIZE, TARGET_BWD_SIZE, TARGET_FFEAT_SIZE
-SLOW = {'pervit_small', 'pervit_medium', 'vit_base'}
+SLOW = {'posattn_pervit_small', 'posattn_pervit_medium', 'posattn_vit_base'}
 
 
 def names():
@@ -33,11 +41,75 @@ def input_size(model, target):
     return tuple(min(side, target) for side in size)
 
 
-def test_every_model_is_registered_with_timm():
-    assert set(NAMES) <= set(timm.list_models())
-    assert timm.list_models('pervit*') == ['pervit_medium', 'pervit_small', 'pervit_tiny']
+def run_python(code):
+    """Run ``code`` in a fresh interpreter (nothing registered with timm yet); its stdout."""
+    result = subprocess.run([sys.executable, '-c', textwrap.dedent(code)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_every_model_is_registered_with_timm_under_posattn_names():
+    expected = [f'posattn_pervit_{arch}' for arch in PERVIT_ARCHS] + [f'posattn_vit_{arch}' for arch in VIT_ARCHS]
+    assert NAMES == expected
+    assert timm.list_models('posattn_*') == sorted(expected)
+    assert timm.list_models('pervit*') == [] and not timm.models.is_model('vit_tiny')
     for name in NAMES:
         assert timm.models.is_model(name) and timm.models.get_pretrained_cfg(name).paper_ids
+
+
+def test_importing_posattn_leaves_timm_registry_unchanged():
+    """Only ``register_timm_models()`` adds to timm's registry: once, however often it is called,
+    without timm's warning about a name registered twice."""
+    output = run_python("""
+        import sys, warnings
+        import timm
+        registry = lambda: (timm.list_models(), timm.list_pretrained(), sorted(timm.list_modules()))
+        before = registry()
+        import posattn
+        assert registry() == before, "importing posattn changed timm's registry"
+        assert 'posattn.models.in_timm' not in sys.modules
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')
+            names = posattn.register_timm_models()
+            assert posattn.register_timm_models() == names
+        added = sorted(set(timm.list_models()) - set(before[0]))
+        assert added == sorted(names) == timm.list_models('posattn_*'), added
+        assert set(timm.list_models()) - set(added) == set(before[0])
+        print(len(added))
+    """)
+    assert output.split() == ['6']
+
+
+def test_a_timm_name_taken_by_another_model_is_not_replaced():
+    output = run_python("""
+        import timm.models
+        @timm.models.register_model
+        def posattn_vit_tiny(pretrained=False, **kwargs):
+            raise AssertionError('not called')
+        import posattn
+        try:
+            posattn.register_timm_models()
+        except ValueError as error:
+            print(error)
+        assert timm.models.model_entrypoint('posattn_vit_tiny') is posattn_vit_tiny
+    """)
+    assert ("timm already has a model 'posattn_vit_tiny' (__main__.posattn_vit_tiny); "
+            'posattn does not replace it') in output
+    assert "posattn.create_model('vit_tiny')" in output
+
+
+def test_registering_without_timm_says_to_install_it():
+    output = run_python("""
+        import sys
+        sys.modules['timm'] = None  # as if timm were not installed
+        import posattn
+        try:
+            posattn.register_timm_models()
+        except ImportError as error:
+            print(error)
+    """)
+    assert 'which is not installed: pip install timm' in output
 
 
 @pytest.mark.parametrize('name', names())
@@ -59,7 +131,7 @@ def test_backward_reaches_every_parameter(name):
 
 @pytest.mark.parametrize('phi', posattn.list_phis())
 def test_backward_reaches_every_parameter_of_every_phi(phi):
-    model = timm.create_model('vit_tiny', phi=phi, num_classes=42, depth=2).train()
+    model = timm.create_model('posattn_vit_tiny', phi=phi, num_classes=42, depth=2).train()
     model(torch.randn(2, 3, BACKWARD_SIZE, BACKWARD_SIZE)).mean().backward()
     assert not [n for n, p in model.named_parameters() if p.grad is None]
 
@@ -79,7 +151,7 @@ def test_pretrained_cfg_fits_the_model(name):
         features = model.forward_features(x)
         pre_logits = model.forward_head(features, pre_logits=True)
         assert pre_logits.shape == (1, model.head_hidden_size)
-        if name.startswith('pervit'):
+        if name.startswith('posattn_pervit'):
             assert features.shape[-2:] == cfg['pool_size'] and features.shape[1] == model.num_features
         else:
             assert features.shape[-1] == model.num_features
@@ -88,7 +160,7 @@ def test_pretrained_cfg_fits_the_model(name):
         assert model(x).shape == (1, model.head_hidden_size) and model.num_classes == 0
         model.reset_classifier(0, '')
         unpooled = model(x)
-        if name.startswith('pervit'):
+        if name.startswith('posattn_pervit'):
             assert unpooled.shape[-2:] == cfg['pool_size']
             headless = timm.create_model(name, pretrained=False, num_classes=0, global_pool='').eval()
             assert headless(x).shape == (1, model.num_features, *cfg['pool_size'])
@@ -126,7 +198,7 @@ def test_features_only(name):
 
 def test_intermediates_match_the_forward_pass():
     """The ViT's NLC / NCHW intermediates, prefix tokens and norm are the blocks' outputs."""
-    model = timm.create_model('vit_tiny', depth=3, phi='peg').eval()
+    model = timm.create_model('posattn_vit_tiny', depth=3, phi='peg').eval()
     x = torch.randn(2, 3, 48, 64)
     with torch.no_grad():
         tokens, grid = model.embed_tokens(x)
@@ -143,7 +215,7 @@ def test_intermediates_match_the_forward_pass():
         model.forward_intermediates(x, output_fmt='NHWC')
 
 
-@pytest.mark.parametrize('name', ['pervit_tiny', 'vit_tiny'])
+@pytest.mark.parametrize('name', ['posattn_pervit_tiny', 'posattn_vit_tiny'])
 def test_prune_intermediate_layers(name):
     model = timm.create_model(name, pretrained=False).eval()
     x = torch.randn(1, 3, 64, 64)
@@ -155,7 +227,7 @@ def test_prune_intermediate_layers(name):
             torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize('name', ['pervit_tiny', 'vit_tiny'])
+@pytest.mark.parametrize('name', ['posattn_pervit_tiny', 'posattn_vit_tiny'])
 def test_gradient_checkpointing_changes_no_gradient(name):
     torch.manual_seed(0)
     model = timm.create_model(name, pretrained=False, num_classes=5, drop_path_rate=0.0).train()
@@ -173,7 +245,7 @@ def test_gradient_checkpointing_changes_no_gradient(name):
 def test_timm_optimizer_factory_reads_no_weight_decay_and_groups():
     """timm's factory: no decay on the ViT's position embedding and class token (and 1-D parameters);
     layer-wise decay through ``group_matcher``, the embeddings lowest, as for timm's own ViT."""
-    model = timm.create_model('vit_tiny', depth=4, pos_embed=True, peg_after=(1,))
+    model = timm.create_model('posattn_vit_tiny', depth=4, pos_embed=True, peg_after=(1,))
     optimizer = timm.optim.create_optimizer_v2(model, 'adamw', lr=1e-3, weight_decay=0.05)
     no_decay = {id(p) for g in optimizer.param_groups if g['weight_decay'] == 0 for p in g['params']}
     assert id(model.pos_embed) in no_decay and id(model.cls_token) in no_decay
@@ -188,20 +260,21 @@ def test_timm_optimizer_factory_reads_no_weight_decay_and_groups():
         reference, 'adamw', weight_decay=0.05, layer_decay=0.5).param_groups for p in g['params']}
     assert [scale[id(b.attn.qkv.weight)] for b in model.blocks] == \
         [reference_scales[id(b.attn.qkv.weight)] for b in reference.blocks]
-    pervit = timm.create_model('pervit_tiny')
+    pervit = timm.create_model('posattn_pervit_tiny')
     groups = timm.optim.create_optimizer_v2(pervit, 'adamw', weight_decay=0.05, layer_decay=0.8).param_groups
     scale = {id(p): g['lr_scale'] for g in groups for p in g['params']}
     assert scale[id(pervit.stem.proj.weight)] < scale[id(pervit.blocks[0].attn.qkv.weight)] \
         < scale[id(pervit.blocks[11].attn.qkv.weight)] < scale[id(pervit.head.weight)]
 
 
-@pytest.mark.parametrize('name,options', [('pervit_tiny', {}), ('vit_tiny', dict(phi='peripheral')),
-                                          ('vit_tiny', dict(phi='irpe'))])
+@pytest.mark.parametrize('name,options', [('posattn_pervit_tiny', {}),
+                                          ('posattn_vit_tiny', dict(phi='peripheral')),
+                                          ('posattn_vit_tiny', dict(phi='irpe'))])
 def test_models_pickle_after_use(name, options):
-    """``torch.save(model)`` / pickle, with the eval caches filled."""
+    """``torch.save(model)`` / pickle, inside a filled position cache."""
     model = timm.create_model(name, **options).eval()
     x = torch.randn(1, 3, 64, 64)
-    with torch.no_grad():
+    with torch.no_grad(), posattn.cache_positions(model):
         expected = model(x)
         restored = pickle.loads(pickle.dumps(model))
         torch.testing.assert_close(restored(x), expected)
@@ -213,11 +286,11 @@ def test_pretrained_from_a_local_release_checkpoint(tmp_path):
     release = ReleasePerViT('tiny')
     path = tmp_path / 'pervit_tiny.pth'
     torch.save({'model': release.state_dict(), 'args': argparse.Namespace(model='pervit_tiny')}, path)
-    model = timm.create_model('pervit_tiny', pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+    model = timm.create_model('posattn_pervit_tiny', pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
     assert torch.equal(model.distance_embedding.weight, release.state_dict()['rpe_proj.weight'])
     assert torch.equal(model.head.weight, release.state_dict()['head.weight'])
     with pytest.warns(UserWarning, match=r'classifier of checkpoint .* \(1000 classes\) is not loaded: the model has 10'):
-        ten = timm.create_model('pervit_tiny', pretrained=True, num_classes=10,
+        ten = timm.create_model('posattn_pervit_tiny', pretrained=True, num_classes=10,
                                 pretrained_cfg_overlay=dict(file=str(path)))
     assert torch.equal(ten.blocks[3].attn.qkv.weight, model.blocks[3].attn.qkv.weight)
 
@@ -227,16 +300,45 @@ def test_pretrained_deit_weights_into_a_phi_model(tmp_path):
     path = tmp_path / 'deit_tiny.pth'
     torch.save(deit.state_dict(), path)
     with pytest.warns(UserWarning, match=r'Φp keys are not in it and start from their own initialisation'):
-        model = timm.create_model('vit_tiny', phi='peripheral', pretrained=True,
+        model = timm.create_model('posattn_vit_tiny', phi='peripheral', pretrained=True,
                                   pretrained_cfg_overlay=dict(file=str(path)))
     assert torch.equal(model.blocks[5].mlp.fc1.weight, deit.blocks[5].mlp.fc1.weight)
     with warnings.catch_warnings():
         warnings.simplefilter('error')
-        timm.create_model('vit_tiny', pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+        timm.create_model('posattn_vit_tiny', pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
 
 
 def test_a_checkpoint_of_another_model_is_refused(tmp_path):
     path = tmp_path / 'vit_small.pth'
-    torch.save(timm.create_model('vit_small').state_dict(), path)
+    torch.save(timm.create_model('posattn_vit_small').state_dict(), path)
     with pytest.raises(ValueError, match="this is a vit_small checkpoint"):
-        timm.create_model('vit_tiny', pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+        timm.create_model('posattn_vit_tiny', pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+
+
+def test_pretrained_from_a_safetensors_file(tmp_path):
+    """timm's weights as timm ships them: a ``.safetensors`` file."""
+    from safetensors.torch import save_file
+    deit = timm.create_model('deit_tiny_patch16_224')
+    path = tmp_path / 'deit_tiny.safetensors'
+    save_file(deit.state_dict(), path)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        model = timm.create_model('posattn_vit_tiny', pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+    assert all(torch.equal(value, deit.state_dict()[key]) for key, value in model.state_dict().items())
+
+
+def test_docs_example_runs(tmp_path, monkeypatch):
+    """The example of docs/models.md's 'As timm models', with the files it names made here."""
+    from safetensors.torch import save_file
+    card = (Path(__file__).resolve().parents[1] / 'docs' / 'models.md').read_text()
+    section = card[card.index('## As timm models'):]
+    (example,) = re.findall(r'```py\n(.*?)```', section[:section.index('\n## ')], flags=re.S)
+    monkeypatch.chdir(tmp_path)
+    torch.save(posattn.create_model('pervit_tiny').state_dict(), 'pervit_tiny.pth')
+    deit = timm.create_model('deit_small_patch16_224')
+    save_file(deit.state_dict(), 'deit_small_patch16_224.safetensors')
+    namespace = {}
+    with pytest.warns(UserWarning, match='Φp keys are not in it'):
+        exec(compile(example, 'docs/models.md', 'exec'), namespace)
+    assert torch.equal(namespace['model'].blocks[2].mlp.fc2.weight, deit.blocks[2].mlp.fc2.weight)
+    assert len(namespace['backbone'](torch.randn(1, 3, 64, 64))) == 3

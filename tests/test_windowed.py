@@ -3,7 +3,7 @@ blocks, against float64 references computed window by window on the real tokens 
 import pytest
 import torch
 
-from posattn import Attention, TokenGrid, functional
+from posattn import Attention, TokenGrid, cache_positions, functional
 from posattn.functional import attention_probs, biased_attention
 from posattn.models.pervit import PerViT, PerViTBlock
 from posattn.phi.peripheral import PeripheralPhi
@@ -156,10 +156,10 @@ def test_windows_and_global_blocks_on_a_non_square_grid(monkeypatch):
                                rtol=1e-10, atol=1e-12)
     model.eval()
     grids.clear()
-    with torch.no_grad():
+    with torch.no_grad(), cache_positions(model):
         model.forward_features(images)
         model.forward_features(images[:1])
-    assert grids == [(3, 3), (5, 7), (3, 3), (5, 7)]  # cached per grid at eval, whatever the batch
+    assert grids == [(3, 3), (5, 7), (3, 3), (5, 7)]  # cached per grid, whatever the batch
 
 
 def test_default_is_global_and_bad_options_are_refused():

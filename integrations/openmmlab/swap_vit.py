@@ -63,7 +63,7 @@ class MMCVAttention(SwappedAttention):
         if given:
             raise ValueError(f'a swapped attention takes no positional inputs or masks (the Φp is its '
                              f'positional term); got {given}')
-        grid = self.grid_of(query, self.current_grid())
+        grid = self.grid_of(query, self.current_grid(identity))
         q, k, v = self.split_heads(self.qkv(self.phi.tokens(query, grid)))
         out = self.proj(self.attend(q, k, v, grid))
         return (query if identity is None else identity) + self.dropout_layer(self.proj_drop(out))

@@ -293,12 +293,25 @@ class PerViT(ClassifierApi, nn.Module):
 
     def iter_blocks(self, x: torch.Tensor, grid: TokenGrid, num_blocks: Optional[int] = None):
         """Runs the first ``num_blocks`` blocks (all by default), yielding (block index, tokens) after each."""
+        self._share_distance_embedding()
         for i, block in enumerate(self.blocks[:num_blocks]):
             if self.grad_checkpointing and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(block, x, grid, use_reentrant=False)
             else:
                 x = block(x, grid)
             yield i, x
+
+    def _share_distance_embedding(self) -> None:
+        """Every peripheral Φp reads this model's distance embedding. A copy that rewires only
+        registered submodules (``nn.DataParallel``'s replicas) leaves each Φp's reference on the
+        original's embedding, on another device: the replica's Φp take the replica's own."""
+        embedding = self._modules.get('distance_embedding')
+        if embedding is None:
+            return
+        for block in self.blocks:
+            phi = block.attn.phi
+            if isinstance(phi, PeripheralPhi) and phi.distance_embedding is not embedding:
+                phi.share_distance_embedding(embedding)
 
     def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, Sequence[int]]] = None,
                               norm: bool = False, stop_early: bool = False, output_fmt: str = 'NCHW',

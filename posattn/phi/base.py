@@ -8,7 +8,11 @@ interface, no special cases in the attention layer.
     A    =  softmax(q k^T / sqrt(d) + logits_bias(q, k, grid))
     out  =  A v + value_term(A, grid)             contextual terms on values (iRPE-V)
 
-Each hook is a no-op by default, so a Φp overrides only what it contributes.
+Each hook is a no-op by default, so a Φp overrides only what it contributes. The attention layer
+calls the module itself for the logits bias (``phi(q, k, grid)``, whose ``forward`` is
+``logits_bias``), so that its forward hooks and pre-hooks run (``torch.nn.utils.prune``, hooks
+that observe or edit the bias). A Φp that gives no logits bias may make ``forward`` its own
+contribution instead (PEG's is the token mixing, which ``tokens`` calls).
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .._cache import PositionCache
 from ..grid import TokenGrid
 
 __all__ = ['PositionalModule']
@@ -28,8 +33,21 @@ class PositionalModule(nn.Module):
     Class attributes:
         uses_attention_probs: True when :meth:`value_term` contributes, which needs the
             attention probabilities materialised (no fused kernel).
+        position_cache: the :class:`~posattn._cache.PositionCache` a token-independent bias may be
+            served from, set by :func:`posattn.cache_positions` for the length of its block; None
+            (no caching) otherwise.
     """
     uses_attention_probs: bool = False
+    position_cache: Optional[PositionCache] = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> Optional[torch.Tensor]:
+        """The logits bias, :meth:`logits_bias`: the layer calls ``phi(q, k, grid)``, so hooks run."""
+        return self.logits_bias(q, k, grid)
+
+    @property
+    def gives_logits_bias(self) -> bool:
+        """Whether this Φp contributes a logits bias (overrides :meth:`logits_bias`)."""
+        return type(self).logits_bias is not PositionalModule.logits_bias
 
     def tokens(self, x: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
         """Transform the layer's input tokens ``x`` (B, N, C) before the qkv projection."""

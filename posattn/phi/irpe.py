@@ -56,7 +56,7 @@ def num_buckets(method: str, ratio: float, num_prefix_tokens: int) -> int:
     return (per_axis ** 2 if method == 'product' else per_axis) + (1 if num_prefix_tokens > 0 else 0)
 
 
-@grid_constant(maxsize=32)
+@grid_constant(max_bytes=256 << 20)
 def bucket_ids(height: int, width: int, num_prefix_tokens: int, method: str, ratio: float,
                device: torch.device = torch.device('cpu')) -> torch.Tensor:
     """Bucket ids (tables, L, L), L = num_prefix_tokens + H * W, indexed [table, query, key]; cached.
@@ -104,6 +104,10 @@ class LookupTable(nn.Module):
     @property
     def table(self) -> torch.Tensor:
         return getattr(self, self.param_name)
+
+    def forward(self) -> torch.Tensor:
+        """The table; the Φp reads it by calling the module, so that its hooks run."""
+        return self.table
 
 
 @register_phi('irpe')
@@ -169,8 +173,8 @@ class IRPE(PositionalModule):
             raise ValueError(f'this iRPE has tables on {self.on!r}, not on {target!r}')
         tables = getattr(self, f'rpe_{target}')
         if isinstance(tables, nn.ModuleDict):
-            return [tables[axis].table for axis in _CROSS_AXES]
-        return [tables.table]
+            return [tables[axis]() for axis in _CROSS_AXES]
+        return [tables()]
 
     def _grid(self, hw: GridLike) -> TokenGrid:
         if isinstance(hw, TokenGrid):
@@ -220,6 +224,13 @@ class IRPE(PositionalModule):
         return gathered.transpose(-2, -1) if on == 'q' else gathered
 
     def logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> Optional[torch.Tensor]:
+        if self.mode == 'bias' and self.position_cache is not None:  # then it does not depend on q and k
+            tables = tuple(table for target in 'qk' if target in self.on for table in self._tables(target))
+            return self.position_cache.get(self, (grid, q.dtype, q.device), tables,
+                                           lambda: self._logits_bias(q, k, grid))
+        return self._logits_bias(q, k, grid)
+
+    def _logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> Optional[torch.Tensor]:
         scale = q.shape[-1] ** -0.5
         bias = None
         if 'k' in self.on:

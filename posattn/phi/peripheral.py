@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._cache import ParameterValueCache
+from ..functional import function_transforms_active
 from ..grid import TokenGrid
 from .base import PositionalModule
 from .peripheral_kernel import (KERNEL_SIZE, PeripheralWeights, axis_offsets, design_log_attention,
@@ -36,9 +36,6 @@ from .registry import register_phi
 __all__ = ['PeripheralPhi', 'PeripheralWeights', 'DistanceEmbedding', 'LearnedEmbedding', 'EMBEDDINGS', 'PHI_INITS',
            'conv_init', 'peripheral_init', 'peripheral_log_attention', 'design_log_attention', 'distance_canvas',
            'random_init_']
-
-_CACHE_ENTRIES = 4
-
 
 def _check_layer(layer_index: int, num_layers: int) -> None:
     if not 0 <= layer_index < num_layers:
@@ -135,6 +132,16 @@ class LearnedEmbedding(nn.Module):
                               align_corners=True)[0]
 
 
+def _refuse_function_transforms() -> None:
+    """A clear error, instead of PyTorch's about autograd.Function internals, under torch.func."""
+    if function_transforms_active():
+        raise RuntimeError(
+            "torch.func transforms (vmap, grad, jvp, jacrev, functional ensembles) cannot run the peripheral "
+            "Φp, whose kernel is a torch.autograd.Function with its own backward: take gradients with "
+            "torch.autograd (loss.backward(), torch.autograd.grad), and run an ensemble's models one after "
+            "another (torch.func.functional_call in a loop works).")
+
+
 # R, the embedding of relative positions that a peripheral Φp projects (Table 5, bottom).
 EMBEDDINGS = {'euc': DistanceEmbedding, 'lrn': LearnedEmbedding}
 
@@ -143,10 +150,8 @@ EMBEDDINGS = {'euc': DistanceEmbedding, 'lrn': LearnedEmbedding}
 class PeripheralPhi(PositionalModule):
     """PerViT's peripheral Φp: a batch-free logits bias logsigmoid(z) shared by the batch.
 
-    Pairs involving prefix (class) tokens get no bias. In eval mode, whenever no gradient can
-    reach the parameters (``torch.no_grad()``, a frozen Φp), the bias is cached per (H, W, prefix
-    tokens, dtype, device) under the current values of the parameters, so it is never stale
-    however they change (:class:`posattn._cache.ParameterValueCache`); ``train()`` empties it.
+    Pairs involving prefix (class) tokens get no bias. Every call computes the bias, except inside
+    :func:`posattn.cache_positions`, which serves it again per grid while the weights are unchanged.
 
     Args:
         num_heads: attention heads; the distance embedding and hidden maps have 4 * heads
@@ -188,7 +193,7 @@ class PeripheralPhi(PositionalModule):
             if distance_embedding.num_channels != channels:
                 raise ValueError(f'a shared distance embedding for {num_heads} heads needs '
                                  f'{channels} scales, got {distance_embedding.num_channels}')
-            object.__setattr__(self, 'distance_embedding', distance_embedding)  # not registered here
+            self.share_distance_embedding(distance_embedding)
         self.num_heads = num_heads
         self.init = init
         self.embedding, self.neighbourhood, self.multi_layer = embedding, neighbourhood, multi_layer
@@ -207,7 +212,11 @@ class PeripheralPhi(PositionalModule):
         if PHI_INITS[init] is None:
             for parameter in self.parameters():  # the distance embedding too where this module owns it
                 random_init_(parameter)
-        self._cache = ParameterValueCache(_CACHE_ENTRIES)
+
+    def share_distance_embedding(self, embedding: nn.Module) -> None:
+        """Read ``embedding``, registered by its owner, not by this module (so that a model's
+        state_dict and optimiser see it once)."""
+        object.__setattr__(self, 'distance_embedding', embedding)
 
     @property
     def is_pervit_design(self) -> bool:
@@ -230,6 +239,7 @@ class PeripheralPhi(PositionalModule):
 
     def log_position_attention(self, height: int, width: int) -> torch.Tensor:
         """log Φp for an H x W grid: (heads, H*W, H*W) in the parameters' dtype, [head, query, key]."""
+        _refuse_function_transforms()
         device_type = self.proj2_weight.device.type
         if not torch.amp.is_autocast_available(device_type):  # e.g. 'meta': nothing to turn off
             return self._log_position_attention(height, width)
@@ -252,15 +262,20 @@ class PeripheralPhi(PositionalModule):
         bias = grid.pad_prefix(self.log_position_attention(grid.height, grid.width))
         return bias.to(dtype).unsqueeze(0)  # (1, heads, N, N)
 
-    def logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
-        weights = [*self.parameters(), *self.distance_embedding.parameters()]  # a shared embedding's too
-        if self.training or (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
-            return self._bias(grid, q.dtype)
-        return self._cache.get((grid, q.dtype, q.device), weights, lambda: self._bias(grid, q.dtype))
+    def bias_inputs(self) -> Tuple[torch.Tensor, ...]:
+        """The tensors the bias is computed from, as this call reads them (a parametrized or pruned
+        weight is computed on access): the embedding's (a shared one's too) and this module's."""
+        embedding = self.distance_embedding
+        read = [embedding.weight if isinstance(embedding, DistanceEmbedding) else embedding.table]
+        read += [getattr(self, name) for name in ('proj1_weight', 'norm1_weight', 'norm1_bias', 'proj2_weight',
+                                                  'norm2_weight', 'norm2_bias')]
+        return tuple(t for t in read if t is not None)
 
-    def train(self, mode: bool = True) -> 'PeripheralPhi':
-        self._cache.clear()  # training recomputes the bias every step
-        return super().train(mode)
+    def logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
+        if self.position_cache is None:
+            return self._bias(grid, q.dtype)
+        return self.position_cache.get(self, (grid, q.dtype, q.device), self.bias_inputs(),
+                                       lambda: self._bias(grid, q.dtype))
 
     def extra_repr(self) -> str:
         return (f'num_heads={self.num_heads}' + ('' if self.init == 'peripheral' else f', init={self.init!r}')

@@ -79,7 +79,7 @@ def _box_means(maps: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return sums / (rows * cols)
 
 
-@grid_constant(maxsize=16)
+@grid_constant(max_bytes=64 << 20)
 def _grid_moments(height: int, width: int, device: torch.device) -> Tuple[torch.Tensor, ...]:
     """What PP1 and IN1 need from the grid alone, in float64, channels last.
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -19,8 +19,9 @@ from torch import nn
 from ..attention import Attention
 from ..grid import TokenGrid
 from ..phi import PositionalModule, build_layer_phi
+from .token_grids import GridTracker
 
-__all__ = ['AttentionSite', 'SwapPlan', 'SwappedAttention', 'GridProbe', 'register_family', 'swap_attention',
+__all__ = ['AttentionSite', 'SwapPlan', 'SwappedAttention', 'GridTracker', 'register_family', 'swap_attention',
            'described', 'imported']
 
 
@@ -34,25 +35,6 @@ def imported(module: str, name: str) -> Optional[Any]:
     instance of a class whose module is loaded, so families never import their libraries."""
     loaded = sys.modules.get(module)
     return getattr(loaded, name, None) if loaded is not None else None
-
-
-class GridProbe:
-    """The (H, W) of the latest patch embedding, recorded by a forward hook on its (B, C, H, W) output."""
-
-    def __init__(self) -> None:
-        self.hw: Optional[Tuple[int, int]] = None
-
-    def __call__(self, module: nn.Module, args: Any, output: torch.Tensor) -> None:
-        if not (isinstance(output, torch.Tensor) and output.dim() == 4):
-            raise RuntimeError(f'the patch projection {type(module).__name__} should give (B, C, H, W), '
-                               f'got {getattr(output, "shape", type(output))}')
-        self.hw = (int(output.shape[-2]), int(output.shape[-1]))
-
-    def grid(self, num_prefix_tokens: int) -> TokenGrid:
-        if self.hw is None:
-            raise RuntimeError('a swapped attention takes its grid from the patch embedding of its '
-                               'model: run the whole model, not the blocks alone')
-        return TokenGrid(*self.hw, num_prefix_tokens)
 
 
 @dataclass
@@ -78,7 +60,8 @@ class SwapPlan:
         sites: the attention modules, in depth order (Φp layer schedules follow it).
         adapter: the :class:`SwappedAttention` subclass that replaces each of them.
         patch_projection: the module whose (B, C, H, W) output is the token grid every site sees,
-            hooked to record it; None when each replacement knows its grid (window attention).
+            hooked (with each site's parent block) by a :class:`GridTracker`; None when each
+            replacement knows its grid (window attention).
         position_embeddings: the model's absolute position embeddings, zeroed and frozen when the
             model's own positions are dropped.
         position_parameters: the parameters of the model's relative position tables and bias
@@ -101,7 +84,7 @@ class SwappedAttention(Attention):
     built before the swap still updates them). ``own_positions`` says whether the model's own
     positional terms (RoPE, relative position tables, absolute embeddings) are kept beside the Φp.
     """
-    grid_probe: Optional[GridProbe] = None
+    grid_tracker: Optional[GridTracker] = None
     own_positions: bool = True
 
     @classmethod
@@ -122,9 +105,11 @@ class SwappedAttention(Attention):
         for name in names:
             setattr(self, name, getattr(old, name))
 
-    def current_grid(self) -> TokenGrid:
-        """The grid of this call's tokens, from the model's patch embedding."""
-        return self.grid_probe.grid(self.num_prefix_tokens)
+    def current_grid(self, *tensors: Optional[torch.Tensor]) -> TokenGrid:
+        """The grid of this call's tokens, from the model's patch embedding (:class:`GridTracker`);
+        ``tensors``: what this call was given besides its input tokens (the block's input, where
+        the model passes it), by which an activation-checkpointing recompute finds its grid."""
+        return self.grid_tracker.grid(self.num_prefix_tokens, *tensors)
 
 
 Family = Callable[[nn.Module], Optional[SwapPlan]]
@@ -208,7 +193,7 @@ def swap_attention(model: nn.Module, phi: str = 'peripheral', *, own_positions: 
         raise TypeError(_refusal(model))
     replacements = []  # all built before the model changes, so a bad option leaves it as it was
     for plan in plans:
-        probe = GridProbe() if plan.patch_projection is not None else None
+        tracker = GridTracker() if plan.patch_projection is not None else None
         for index, site in enumerate(plan.sites):
             old = site.module
             reference = next(old.parameters())
@@ -216,15 +201,15 @@ def swap_attention(model: nn.Module, phi: str = 'peripheral', *, own_positions: 
                                     num_prefix_tokens=site.num_prefix_tokens, layer_index=index,
                                     num_layers=len(plan.sites))
             layer = plan.adapter.replacing(old, built.to(reference.device, reference.dtype), site)
-            layer.grid_probe, layer.own_positions = probe, own_positions
+            layer.grid_tracker, layer.own_positions = tracker, own_positions
             replacements.append((site, layer))
-        if probe is not None:
-            replacements.append((plan.patch_projection, probe))
+        if tracker is not None:
+            replacements.append((plan, tracker))
     for target, replacement in replacements:
         if isinstance(target, AttentionSite):
             setattr(target.parent, target.name, replacement)
         else:
-            target.register_forward_hook(replacement)
+            replacement.attach(target.patch_projection, [site.parent for site in target.sites])
     if not own_positions:
         _drop_own_positions(plans)
     return model
