@@ -538,3 +538,40 @@ def test_dense_set_removes_the_staging_folders_of_killed_generations(tmp_path):
     assert (root / 'meta.json').is_file()
     assert not left.exists() and not others['old'].exists()
     assert others['live'].exists() and others['elsewhere'].exists()  # their writers may still be at work
+
+
+class PhiToy(Toy):
+    """The toy with a peripheral attention layer, recording the positional cache it runs under."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = posattn.Attention(4, 2, phi='peripheral')
+        self.caches_seen, self.biases = [], []
+        self.attention.phi.register_forward_hook(lambda module, args, bias: self.biases.append(bias))
+
+    def forward(self, inputs=None, data_samples=None, mode='tensor'):
+        self.caches_seen.append(self.attention.phi.position_cache)
+        tokens = torch.ones(len(inputs), 4, 4)
+        self.attention(tokens, (2, 2))
+        self.caches_seen.append(len(self.attention.phi.position_cache or ()))
+        return super().forward(inputs, data_samples, mode)
+
+
+def test_evaluation_runs_inside_the_position_cache(tmp_path):
+    """PosattnRunner computes each Φp once per grid while it tests (and validates), and keeps
+    nothing afterwards."""
+    from mmengine.dataset import pseudo_collate
+    from mmengine.registry import DefaultScope
+    from torch.utils.data import DataLoader
+    from posattn_openmmlab import PositionCacheHook, PosattnRunner
+    with DefaultScope.overwrite_default_scope('mmengine'):
+        runner = PosattnRunner(model=PhiToy(), work_dir=str(tmp_path), test_cfg=dict(),
+                               test_evaluator=[CountMetric()], experiment_name=f'toy_{next(_runner_names)}',
+                               test_dataloader=DataLoader([dict(inputs=torch.ones(1))] * 3, batch_size=1,
+                                                          collate_fn=pseudo_collate))
+    assert sum(isinstance(hook, PositionCacheHook) for hook in runner.hooks) == 1
+    assert runner.test() == dict(count=3)
+    first_cache, *_ = runner.model.caches_seen
+    assert first_cache is not None and runner.model.caches_seen == [first_cache, 1] * 3
+    assert all(bias is runner.model.biases[0] for bias in runner.model.biases)  # computed once, then served
+    assert runner.model.attention.phi.position_cache is None and len(first_cache) == 0

@@ -17,15 +17,16 @@ and timm's models stay as they were. It
   module here) and registers the config wrapper that swaps a backbone's attention;
 * lets posattn's own checkpoint reader (:func:`posattn.convert.read_checkpoint`) accept the types
   mmengine keeps in its checkpoints (:mod:`.checkpoint`);
-* registers ``PosattnRunner`` in mmengine's root ``RUNNERS`` and ``SafeCheckpointHook`` and
-  ``RandomStateHook`` in its root ``HOOKS``.
+* registers ``PosattnRunner`` in mmengine's root ``RUNNERS`` and ``SafeCheckpointHook``,
+  ``RandomStateHook`` and ``PositionCacheHook`` in its root ``HOOKS``.
 
 What posattn changes in the libraries' behaviour, it changes inside its own runner, hooks,
 backbones and tools. ``PosattnRunner`` (:mod:`.runner`) loads checkpoints strictly and
 weights-only with an allow-list of mmengine's types (:mod:`.checkpoint`, which makes mmengine's
 own checkpoints readable on torch >= 2.6), writes them atomically (:mod:`.atomic`), resumes from
 the newest complete checkpoint, holds the work_dir's lock from its constructor on
-(:mod:`.work_dir_lock`), resumes exactly (:mod:`.random_state`) and, for the duration of its runs,
+(:mod:`.work_dir_lock`), resumes exactly (:mod:`.random_state`), computes each Φp once per grid
+while it validates and tests (:mod:`.position_cache_hook`) and, for the duration of its runs,
 routes mmcv's NMS and RoIAlign to torchvision where mmcv has no kernels for the device
 (:mod:`.torchvision_ops`). ``SafeCheckpointHook`` (:mod:`.checkpoint_hook`) removes old
 checkpoints only after the new one is complete. For scripts of your own,
@@ -48,6 +49,7 @@ from .checkpoint_hook import SafeCheckpointHook
 from .datasets import CheckedImageNet, PositionalShapes
 from .necks import PosattnSimpleFPN
 from .optim import ParamwiseSummaryOptimWrapperConstructor
+from .position_cache_hook import PositionCacheHook
 from .random_state import RandomStateHook
 from .runner import PosattnRunner
 from .torchvision_ops import route_mmcv_ops_to_torchvision
@@ -58,4 +60,4 @@ for _module in pkgutil.iter_modules(__path__):
 
 __all__ = ['PosattnPerViT', 'PosattnViT', 'PosattnSimpleFPN', 'ParamwiseSummaryOptimWrapperConstructor',
            'PositionalShapes', 'CheckedImageNet', 'PosattnRunner', 'SafeCheckpointHook', 'RandomStateHook',
-           'posattn_checkpoint_loading', 'route_mmcv_ops_to_torchvision']
+           'PositionCacheHook', 'posattn_checkpoint_loading', 'route_mmcv_ops_to_torchvision']

@@ -33,7 +33,9 @@ things and keeps the rest of mmengine's Runner:
   (:mod:`.torchvision_ops`; the config key ``mmcv_ops_to_torchvision``, ``'auto'`` by default:
   CUDA tensors when mmcv was compiled without CUDA), and give mmcv's ops back when they end.
 * :class:`~.random_state.RandomStateHook` is always registered, so that a resumed run continues
-  the random streams of the interrupted one.
+  the random streams of the interrupted one, and so is
+  :class:`~.position_cache_hook.PositionCacheHook`, which computes each Φp once per grid during
+  validation and testing (``posattn.cache_positions``).
 
 Configs select it with ``runner_type = 'PosattnRunner'`` (every config in ``configs/`` does);
 ``tools/train.py`` and ``tools/test.py`` build it. :func:`load_model_weights` is the loading step
@@ -63,6 +65,7 @@ from posattn.models.registry import fitting_model, load_weights, state_dict_mism
 
 from .atomic import atomic_target
 from .checkpoint import load_checkpoint_file, posattn_checkpoint_loading
+from .position_cache_hook import PositionCacheHook
 from .random_state import RandomStateHook
 from .torchvision_ops import devices_without_mmcv_kernels, mmcv_ops_routed
 from .work_dir_lock import WorkDirInUseError, WorkDirLock
@@ -218,6 +221,8 @@ class PosattnRunner(Runner):
         super().register_hooks(default_hooks, custom_hooks)
         if not any(isinstance(hook, RandomStateHook) for hook in self.hooks):
             self.register_hook(RandomStateHook())
+        if not any(isinstance(hook, PositionCacheHook) for hook in self.hooks):
+            self.register_hook(PositionCacheHook())
 
     def train(self) -> torch.nn.Module:
         with self._running(training=True):
