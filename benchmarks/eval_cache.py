@@ -66,7 +66,7 @@ def measure(cached: bool, repeat: int) -> dict:
                     if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
                     and t.untyped_storage().nbytes() >= 1 << 18}  # views counted once, with their storage
         held = sum(storages.values())
-        result['large tensors held after 256-1024 px, MiB'] = held / 2 ** 20
+        result['kept after 256-1024 px (storages of 256 KiB+), MiB'] = held / 2 ** 20
         result['resident after 256-1024 px, MiB'] = resident_mib()
     return result
 
