@@ -1,6 +1,7 @@
-"""Shared test helpers: the ../shared folder beside the checkout, seeded determinism, the tools'
-folder on the import path, random peripheral Φp weights, and running the repository's tools in a
-subprocess."""
+"""Shared test helpers: the full reference fixtures in ../shared beside the checkout, seeded
+determinism, the tools' folder on the import path, random peripheral Φp weights, and running the
+repository's tools in a subprocess."""
+import importlib.util
 import os
 import subprocess
 import sys
@@ -25,21 +26,26 @@ def _seeded():
 
 
 def load_fixture(name):
-    """A reference file of ../shared/fixtures; skips where ../shared is absent (a user's clone)."""
+    """A full reference file of ../shared/fixtures; skips where ../shared is absent (a user's clone),
+    whose tests use the trimmed copies in tests/fixtures (``release_fixtures.load_trimmed``)."""
     path = FIXTURES / name
     if not path.exists():
-        pytest.skip(f'{path} is absent: the reference fixtures live in ../shared beside the checkout')
+        pytest.skip(f'{path} is absent: the full reference fixtures live in ../shared beside the checkout; '
+                    'the trimmed ones in tests/fixtures are checked instead')
     return torch.load(path, weights_only=True)
 
 
-def weights_recipe():
-    """The fixture README's `weights_recipe` module that rebuilds the release weights."""
-    if not (FIXTURES / 'weights_recipe.py').exists():
-        pytest.skip(f'{FIXTURES} is absent: the reference fixtures live in ../shared beside the checkout')
-    if str(FIXTURES) not in sys.path:
-        sys.path.insert(0, str(FIXTURES))
-    import weights_recipe as recipe
-    return recipe
+# What the OpenMMLab tests import: the `mm` extra of pyproject.toml, by module name.
+OPENMMLAB_MODULES = ('mmengine', 'mmcv', 'mmpretrain', 'mmdet', 'mmseg', 'pycocotools')
+
+
+def require_openmmlab():
+    """Skip the calling test module, at collection, where the OpenMMLab stack is not installed
+    (``pip install .[test]`` alone); looks the modules up without importing them."""
+    missing = [name for name in OPENMMLAB_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f'the OpenMMLab tests need {", ".join(missing)}, not installed: '
+                    "pip install '.[mm]' (mmcv 2.1.0 with its compiled ops: make setup)", allow_module_level=True)
 
 
 # (scale, shift) of the random peripheral Φp parameters, in PeripheralPhi.weights() order: w, PP1,

@@ -1,9 +1,11 @@
 """Release checkpoints: the converter, create_model(checkpoint=...), and parity with the release.
 
-Tiny is checked against the fixture the release computed; Small and Medium against
+Tiny is checked against the fixture the release computed (its trimmed copy in tests/fixtures in
+every clone, the full file where ../shared is present); Small and Medium against
 ``release_pervit.ReleasePerViT`` (float64), which is first checked against that same fixture.
 """
 import argparse
+import importlib.util
 import re
 from pathlib import Path
 
@@ -13,22 +15,21 @@ import torch
 import posattn
 from posattn.convert import is_pervit_release, pervit_from_release, to_posattn_layout
 
-from conftest import load_fixture, weights_recipe
+from conftest import FIXTURES, load_fixture
+from release_fixtures import PERVIT, TRIMS, load_trimmed, pervit_fixture
 from release_pervit import LAYOUTS, ReleasePerViT, release_spec
+from release_weights import release_input, release_state_dict
 
-FIXTURE = 'pervit_tiny_release_seed7.pt'
-PHI_ATOL, BLOCK_RTOL, LOGITS_ATOL = 1e-4, 1e-5, 1e-4  # the issue's parity bounds
+PHI_ATOL, BLOCK_RTOL, LOGITS_ATOL = 1e-4, 1e-5, 1e-4  # the fixture README's parity bounds
 
 
-@pytest.fixture(scope='module')
-def fixture():
-    data = load_fixture(FIXTURE)
-    data['weights'] = weights_recipe().release_state_dict(data['spec'], data['seed'])
-    return data
+@pytest.fixture(scope='module', params=['trimmed', 'full'])
+def fixture(request):
+    return pervit_fixture(request.param)
 
 
 def release_weights(size, seed):
-    return weights_recipe().release_state_dict(release_spec(size), seed)
+    return release_state_dict(release_spec(size), seed)
 
 
 def posattn_outputs(model, images):
@@ -43,6 +44,13 @@ def posattn_outputs(model, images):
                 'phi_p': {i: b.attn.phi.position_attention(height, width) for i, b in enumerate(model.blocks)}}
 
 
+def at_tokens(outputs, tokens):
+    """What a fixture keeps of ``outputs``: Φp's query rows and the block outputs at ``tokens``."""
+    return {'logits': outputs['logits'],
+            'phi_p': {i: phi.reshape(-1, *phi.shape[-2:])[:, tokens] for i, phi in outputs['phi_p'].items()},
+            'block_out': {i: out[:, tokens] for i, out in outputs['block_out'].items()}}
+
+
 def assert_parity(outputs, expected):
     for i, phi in expected['phi_p'].items():
         torch.testing.assert_close(outputs['phi_p'][i], phi.reshape(outputs['phi_p'][i].shape).float(),
@@ -55,19 +63,51 @@ def assert_parity(outputs, expected):
 
 
 def test_release_spec_generator_reproduces_the_fixture_spec():
-    spec = load_fixture(FIXTURE)['spec']
+    spec = load_trimmed(PERVIT[1])['spec']
     assert release_spec('tiny') == [(name, tuple(shape)) for name, shape in spec]
     counts = {size: sum(p.numel() for p in ReleasePerViT(size).parameters()) for size in LAYOUTS}
     assert counts == {'tiny': 7_591_000, 'small': 21_317_672, 'medium': 43_723_936}
+
+
+def test_trimmed_fixtures_are_slices_of_the_full_ones():
+    """Each file of tests/fixtures equals ``release_fixtures.trim_*`` of its full file, exactly."""
+    def assert_same(trimmed, expected, where):
+        if isinstance(expected, dict):
+            assert trimmed.keys() == expected.keys(), where
+            for key in expected:
+                assert_same(trimmed[key], expected[key], f'{where}[{key!r}]')
+        elif isinstance(expected, torch.Tensor):
+            assert trimmed.dtype == expected.dtype and torch.equal(trimmed, expected), where
+        else:
+            assert trimmed == expected, where
+    for (full_name, trimmed_name), trim in TRIMS.items():
+        assert_same(load_trimmed(trimmed_name), trim(load_fixture(full_name)), trimmed_name)
+
+
+def test_weights_recipe_is_the_fixtures_own():
+    """tests/release_weights.py rebuilds the very tensors of the recipe shipped with the full fixtures."""
+    path = FIXTURES / 'weights_recipe.py'
+    if not path.exists():
+        pytest.skip(f'{path} is absent: the full reference fixtures live in ../shared beside the checkout')
+    spec = importlib.util.spec_from_file_location('shared_weights_recipe', path)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    for size, seed in [('tiny', 7), ('small', 11)]:
+        expected, got = recipe.release_state_dict(release_spec(size), seed), release_weights(size, seed)
+        assert list(got) == list(expected)
+        for key, value in expected.items():
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+    assert torch.equal(release_input(7), recipe.release_input(7))
+    assert torch.equal(release_input(3, batch=1, size=64), recipe.release_input(3, batch=1, size=64))
 
 
 def test_release_reference_reproduces_the_fixture(fixture):
     """The float64 re-implementation used for Small and Medium is validated here, on Tiny."""
     reference = ReleasePerViT('tiny').double().eval()
     reference.load_state_dict(fixture['weights'], strict=True)
-    out = reference(fixture['input'].double())
+    out = at_tokens(reference(fixture['input'].double()), fixture['tokens'])
     for i in range(12):
-        assert (out['phi_p'][i] - fixture['phi_p'][i][0]).abs().max() < 2e-5  # fixture: 1.5e-5 off float64
+        assert (out['phi_p'][i] - fixture['phi_p'][i]).abs().max() < 2e-5  # fixture: 1.5e-5 off float64
         block = fixture['block_out'][i]
         assert (out['block_out'][i] - block).abs().max() < 2e-6 * block.abs().max()
     assert (out['logits'] - fixture['logits']).abs().max() < 2e-6
@@ -77,7 +117,7 @@ def test_tiny_matches_release_fixture(fixture):
     model = posattn.create_model('pervit_tiny')
     model.load_state_dict(pervit_from_release(fixture['weights']), strict=True)
     expected = {k: fixture[k] for k in ('logits', 'block_out', 'phi_p')}
-    assert_parity(posattn_outputs(model, fixture['input']), expected)
+    assert_parity(at_tokens(posattn_outputs(model, fixture['input']), fixture['tokens']), expected)
 
 
 @pytest.mark.parametrize('size,seed,image_size', [

@@ -8,6 +8,7 @@ from posattn.phi.irpe import bucket_ids
 from posattn.reference import irpe_attention, irpe_bucket_ids
 
 from conftest import gradcheck_layer, load_fixture
+from release_fixtures import IRPE, load_trimmed
 
 METHODS = ['euc', 'quant', 'cross', 'product']
 
@@ -35,15 +36,20 @@ def as_lists(phi, tables):
 
 # --- the release ------------------------------------------------------------------------------
 
-def test_matches_release_fixture():
-    fixture = load_fixture('irpe_ctx_product_shared_k_14x14_skip1.pt')
-    phi = posattn.build_phi('irpe', num_heads=3, head_dim=64, method='product', mode='ctx', on='k',
+@pytest.mark.parametrize('kind', ['trimmed', 'full'])
+def test_matches_release_fixture(kind):
+    """The release's bucket ids and bias; the trimmed fixture keeps one image and head, and every
+    fourth query row of the bias."""
+    fixture = load_trimmed(IRPE[1]) if kind == 'trimmed' else load_fixture(IRPE[0])
+    rows = fixture.get('rows', slice(None))
+    num_heads = fixture['q'].shape[1]  # the heads share one table
+    phi = posattn.build_phi('irpe', num_heads=num_heads, head_dim=64, method='product', mode='ctx', on='k',
                             shared_head=True, ratio=1.9, num_prefix_tokens=1)
     phi.load_release_tables({'k': {'lookup_table_weight': fixture['lookup_table_weight']}})
-    assert torch.equal(bucket_ids(14, 14, 1, 'product', 1.9)[0], fixture['bucket_ids'])
+    assert torch.equal(bucket_ids(14, 14, 1, 'product', 1.9)[0], fixture['bucket_ids'].long())
     with torch.no_grad():
         out = phi.term('k', fixture['q'], (14, 14))
-    torch.testing.assert_close(out, fixture['out'], rtol=0, atol=1e-6)
+    torch.testing.assert_close(out[:, :, rows], fixture['out'], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize('ratio,per_axis', [(1.9, 7), (2.0, 9), (2.5, 11), (3.0, 13)])
@@ -58,7 +64,7 @@ def test_buckets_per_axis(ratio, per_axis):
 @pytest.mark.parametrize('ratio', [1.9, 2.5, 0.7])
 def test_bucket_ids_pair_by_pair(method, ratio):
     """Non-square grids with extra tokens, offsets far enough to reach the logarithmic part."""
-    for height, width, skip in [(7, 11, 2), (1, 9, 0), (6, 1, 1)]:
+    for height, width, skip in [(7, 11, 2), (1, 9, 0), (6, 1, 1), (7, 9, 1), (14, 14, 1)]:
         expected = irpe_bucket_ids(height, width, skip, method, ratio)
         assert torch.equal(bucket_ids(height, width, skip, method, ratio), expected), (height, width, skip)
 
@@ -124,15 +130,24 @@ def test_zero_tables_are_the_plain_layer():
     assert all(torch.count_nonzero(p) == 0 for p in layer.phi.parameters())
 
 
-def test_bias_mode_is_batch_free_and_any_grid_size():
-    phi = posattn.build_phi('irpe', num_heads=4, head_dim=8, method='euc', mode='bias', on='qk',
-                            shared_head=False, num_prefix_tokens=1)
-    q = torch.randn(3, 4, 1 + 7 * 9, 8)
-    assert phi.logits_bias(q, q, TokenGrid(7, 9, 1)).shape == (1, 4, 64, 64)
-    q = torch.randn(3, 4, 1 + 14 * 14, 8)
-    assert phi.logits_bias(q, q, TokenGrid(14, 14, 1)).shape == (1, 4, 197, 197)
-    shared = posattn.build_phi('irpe', num_heads=4, head_dim=8, mode='bias', num_prefix_tokens=1)
-    assert shared.logits_bias(q, q, TokenGrid(14, 14, 1)).shape == (1, 1, 197, 197)
+@pytest.mark.parametrize('height,width', [(7, 9), (14, 14)])
+@pytest.mark.parametrize('method,shared', [('euc', False), ('product', True)])
+def test_bias_mode_is_batch_free_and_any_grid_size(height, width, method, shared):
+    """Bias mode on q and k: T_k[h, id(i, j)] + T_q[h, id(j, i)] with the reference's bucket ids
+    (posattn.reference, pair by pair), one (1, heads, N, N) map whatever the queries and keys."""
+    phi = posattn.build_phi('irpe', num_heads=4, head_dim=8, method=method, mode='bias', on='qk',
+                            shared_head=shared, num_prefix_tokens=1).double()
+    tables = random_tables(phi, torch.Generator().manual_seed(height * width))
+    phi.load_release_tables(tables)
+    lists = as_lists(phi, tables)
+    ids = irpe_bucket_ids(height, width, 1, method, phi.ratio)[0]
+    expected = lists['k'][0][:, ids] + lists['q'][0][:, ids].transpose(-1, -2)  # (1 or heads, N, N)
+    tokens = 1 + height * width
+    q, k = torch.randn(2, 3, 4, tokens, 8, dtype=torch.float64)
+    bias = phi.logits_bias(q, k, TokenGrid(height, width, 1))
+    assert bias.shape == (1, 1 if shared else 4, tokens, tokens)
+    torch.testing.assert_close(bias[0], expected, rtol=0, atol=0)
+    torch.testing.assert_close(phi.logits_bias(-3 * k, q, TokenGrid(height, width, 1)), bias, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize('method,mode,on', [('product', 'ctx', 'qkv'), ('cross', 'bias', 'qk'),

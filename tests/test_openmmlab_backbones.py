@@ -6,6 +6,11 @@ import pytest
 import torch
 
 import posattn
+
+from conftest import require_openmmlab
+
+require_openmmlab()  # before the OpenMMLab imports
+
 from posattn_openmmlab import PosattnPerViT, PosattnViT
 from mmengine.registry import MODELS
 

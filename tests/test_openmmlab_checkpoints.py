@@ -21,6 +21,11 @@ import time
 import numpy as np
 import pytest
 import torch
+
+from conftest import require_openmmlab
+
+require_openmmlab()  # before the OpenMMLab imports
+
 from mmengine.evaluator import BaseMetric
 from mmengine.model import BaseModel
 

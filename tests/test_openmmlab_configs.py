@@ -3,6 +3,10 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import require_openmmlab
+
+require_openmmlab()  # before the OpenMMLab imports
+
 from mmengine.config import Config
 from mmpretrain.registry import DATASETS, MODELS
 

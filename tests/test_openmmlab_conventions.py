@@ -9,6 +9,11 @@ import re
 import numpy as np
 import pytest
 import torch
+
+from conftest import require_openmmlab
+
+require_openmmlab()  # before the OpenMMLab imports
+
 from mmengine.config import Config
 from mmengine.logging import MMLogger
 from mmengine.optim import build_optim_wrapper

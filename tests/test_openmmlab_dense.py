@@ -3,6 +3,10 @@ with_cp, NCHW maps at mmdet's padded sizes, and the PosattnSimpleFPN neck in bot
 import pytest
 import torch
 
+from conftest import require_openmmlab
+
+require_openmmlab()  # before the OpenMMLab imports
+
 from posattn_openmmlab import PosattnPerViT, PosattnSimpleFPN
 from mmengine.registry import MODELS
 

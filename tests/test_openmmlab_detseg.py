@@ -11,6 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
+from conftest import require_openmmlab
+
+require_openmmlab()  # before the OpenMMLab imports
+
 from mmengine.config import Config
 from mmengine.registry import DefaultScope
 from pycocotools import mask as mask_utils

@@ -7,6 +7,10 @@ import threading
 import pytest
 import torch
 
+from conftest import require_openmmlab
+
+require_openmmlab()  # before the OpenMMLab imports
+
 from mmengine.logging import HistoryBuffer, MessageHub
 from mmengine.runner import CheckpointLoader
 
@@ -23,6 +27,7 @@ def test_mmcv_compiled_ops_run():
     assert dets[:, 4].tolist() == pytest.approx([0.9, 0.7])
 
 
+@pytest.mark.environment
 def test_toolboxes_import_with_their_pinned_versions():
     import mmcv
     import mmdet.models  # noqa: F401  (needs mmcv._ext)

@@ -8,6 +8,11 @@ import sys
 
 import pytest
 import torch
+
+from conftest import require_openmmlab
+
+require_openmmlab()  # before the OpenMMLab imports
+
 from mmengine.config import Config
 from mmengine.registry import MODELS, DefaultScope
 from mmengine.runner import load_checkpoint, save_checkpoint

@@ -5,6 +5,10 @@ predict with every other mmcv kernel unavailable."""
 import pytest
 import torch
 
+from conftest import require_openmmlab
+
+require_openmmlab()  # before the OpenMMLab imports
+
 import mmcv._ext as ext
 from mmcv.ops import RoIAlign, nms, roi_align
 

@@ -9,6 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+from conftest import require_openmmlab
+
+require_openmmlab()  # before the OpenMMLab imports
+
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 

@@ -7,11 +7,14 @@ import posattn
 from posattn import Attention, TokenGrid
 
 from conftest import load_fixture
+from release_fixtures import PEG, load_trimmed
 
 
-def test_matches_released_poscnn():
-    fixture = load_fixture('peg_poscnn_192_14x14.pt')
-    peg = posattn.build_phi('peg', dim=192)
+@pytest.mark.parametrize('kind', ['trimmed', 'full'])
+def test_matches_released_poscnn(kind):
+    """The trimmed fixture keeps one image and 32 of the 192 channels (a depthwise conv keeps them apart)."""
+    fixture = load_trimmed(PEG[1]) if kind == 'trimmed' else load_fixture(PEG[0])
+    peg = posattn.build_phi('peg', dim=fixture['weight'].shape[0])
     with torch.no_grad():
         peg.proj.weight.copy_(fixture['weight'])
         peg.proj.bias.copy_(fixture['bias'])

@@ -2,7 +2,8 @@
 
 ``tools/build_mmcv.sh --dry-run`` runs the build's ``pip install`` with ``--dry-run`` in a fresh,
 empty environment, so a requirement that conflicts with the pinned torch (torch 2.14.1 needs
-setuptools >= 77.0.3) fails here in seconds instead of after a 20-45 minute build.
+setuptools >= 77.0.3) fails here in seconds instead of after a 20-45 minute build. They ask the
+package index, so they are marked ``environment``: ``make test`` runs them, a plain ``pytest`` does not.
 """
 import os
 import subprocess
@@ -32,6 +33,7 @@ def dry_run(python, torch_pins=None):
 
 
 @pytest.mark.slow
+@pytest.mark.environment
 def test_mmcv_build_requirements_resolve_with_the_torch_pins(empty_python):
     result = dry_run(empty_python)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
@@ -39,6 +41,7 @@ def test_mmcv_build_requirements_resolve_with_the_torch_pins(empty_python):
 
 
 @pytest.mark.slow
+@pytest.mark.environment
 def test_dry_run_fails_on_a_build_requirement_that_conflicts_with_torch(empty_python):
     # What the build once asked for: setuptools < 70 beside torch 2.14.1 (which needs >= 77.0.3).
     result = dry_run(empty_python, torch_pins='torch==2.14.1 torchvision==0.29.1 setuptools<70')
