@@ -20,6 +20,8 @@ renamed one to one, nothing reshaped (mmpretrain splits qkv as (three, heads, he
     backbone.{cls_token,pos_embed}           -> {cls_token,pos_embed}
     backbone.layers.{i}.ln1.* / .ln2.*       -> blocks.{i}.norm1.* / .norm2.*
     backbone.layers.{i}.attn.{qkv,proj}.*    -> blocks.{i}.attn.{qkv,proj}.*
+    backbone.layers.{i}.attn.gamma1.weight   -> blocks.{i}.ls1.gamma   (layer scale, ``layer_scale_init_value``)
+    backbone.layers.{i}.ffn.gamma2.weight    -> blocks.{i}.ls2.gamma
     backbone.layers.{i}.ffn.layers.0.0.*     -> blocks.{i}.mlp.fc1.*
     backbone.layers.{i}.ffn.layers.1.*       -> blocks.{i}.mlp.fc2.*
     backbone.ln1.*                           -> norm.*   (the final norm, ``final_norm=True``)
@@ -27,10 +29,14 @@ renamed one to one, nothing reshaped (mmpretrain splits qkv as (three, heads, he
     backbone.dist_token, head.layers.head_dist.* -> dist_token, head_dist.*   (timm's names)
 
 These are mmpretrain's defaults for DeiT (``final_norm=True``, ``out_type='cls_token'``,
-``pre_norm=False``, no layer scale). Keys of other options (``backbone.pre_norm.*``,
-``backbone.ln2.*`` of ``out_type='avg_featmap'``, layer scale's ``gamma1`` / ``gamma2``, a head's
-``pre_logits``) are kept as they are, so that loading reports them; so does a distilled DeiT's
-token and head, renamed to timm's names, which posattn's ViT does not have.
+``pre_norm=False``), with or without layer scale. Keys of other options (``backbone.pre_norm.*``,
+``backbone.ln2.*`` of ``out_type='avg_featmap'``, a head's ``pre_logits``) are kept as they are,
+so that loading reports them; so does a distilled DeiT's token and head, renamed to timm's names,
+which posattn's ViT does not have.
+
+DeiT III release (github.com/facebookresearch/deit, ``models_v2.py``): timm's names but for its
+layer scale, ``blocks.{i}.gamma_{1,2}`` -> ``blocks.{i}.ls{1,2}.gamma``, as timm's
+``checkpoint_filter_fn`` renames it.
 
 PerViT release (github.com/juhongm999/pervit), 294 entries per model, renamed one to one:
 
@@ -65,7 +71,7 @@ import torch
 
 __all__ = ['read_checkpoint', 'allow_checkpoint_globals', 'pervit_from_release', 'is_pervit_release',
            'is_mmengine_checkpoint', 'mmengine_to_posattn', 'is_mmpretrain_vit', 'mmpretrain_vit_to_posattn',
-           'to_posattn_layout', 'unwrap_state_dict', 'without_cancelled_biases']
+           'is_deit3_release', 'to_posattn_layout', 'unwrap_state_dict', 'without_cancelled_biases']
 
 # DeiT-style training checkpoints (the PerViT release's among them) keep their argparse arguments
 # beside the weights: a plain attribute bag, safe to allow.
@@ -298,6 +304,8 @@ _MMPRETRAIN_VIT_RENAMES = [
     (r'^backbone\.(cls_token|pos_embed|dist_token)$', r'\1'),
     (r'^backbone\.layers\.(\d+)\.ln([12])\.', r'blocks.\1.norm\2.'),
     (r'^backbone\.layers\.(\d+)\.attn\.(qkv|proj)\.', r'blocks.\1.attn.\2.'),
+    (r'^backbone\.layers\.(\d+)\.attn\.gamma1\.weight$', r'blocks.\1.ls1.gamma'),
+    (r'^backbone\.layers\.(\d+)\.ffn\.gamma2\.weight$', r'blocks.\1.ls2.gamma'),
     (r'^backbone\.layers\.(\d+)\.ffn\.layers\.0\.0\.', r'blocks.\1.mlp.fc1.'),
     (r'^backbone\.layers\.(\d+)\.ffn\.layers\.1\.', r'blocks.\1.mlp.fc2.'),
     (r'^backbone\.ln1\.', 'norm.'),
@@ -323,9 +331,17 @@ def mmpretrain_vit_to_posattn(checkpoint: Mapping[str, Any]) -> StateDict:
     return _renamed(state_dict, _MMPRETRAIN_VIT_RENAMES)
 
 
+_DEIT3_LAYER_SCALE = re.compile(r'^blocks\.(\d+)\.gamma_([12])$')
+
+
+def is_deit3_release(state_dict: Mapping[str, Any]) -> bool:
+    """Whether ``state_dict`` holds the DeiT III release's layer scale (``blocks.{i}.gamma_1``)."""
+    return any(_DEIT3_LAYER_SCALE.match(key) for key in state_dict)
+
+
 def to_posattn_layout(checkpoint: Mapping[str, Any]) -> Tuple[StateDict, str]:
     """(state_dict in posattn's layout, the layout it was found in: 'PerViT release', 'mmengine',
-    'mmpretrain ViT' or 'posattn', which is timm's for ViT / DeiT)."""
+    'mmpretrain ViT', 'DeiT III release' or 'posattn', which is timm's for ViT / DeiT)."""
     if is_mmengine_checkpoint(checkpoint):
         return without_cancelled_biases(mmengine_to_posattn(checkpoint)), 'mmengine'
     state_dict = unwrap_state_dict(checkpoint)
@@ -333,4 +349,6 @@ def to_posattn_layout(checkpoint: Mapping[str, Any]) -> Tuple[StateDict, str]:
         return pervit_from_release(state_dict), 'PerViT release'
     if is_mmpretrain_vit(state_dict):
         return mmpretrain_vit_to_posattn(state_dict), 'mmpretrain ViT'
+    if is_deit3_release(state_dict):
+        return _renamed(state_dict, [(_DEIT3_LAYER_SCALE.pattern, r'blocks.\1.ls\2.gamma')]), 'DeiT III release'
     return without_cancelled_biases(state_dict), 'posattn'

@@ -342,3 +342,43 @@ def test_docs_example_runs(tmp_path, monkeypatch):
         exec(compile(example, 'docs/models.md', 'exec'), namespace)
     assert torch.equal(namespace['model'].blocks[2].mlp.fc2.weight, deit.blocks[2].mlp.fc2.weight)
     assert len(namespace['backbone'](torch.randn(1, 3, 64, 64))) == 3
+
+
+def test_pretrained_224_weights_into_a_model_of_another_size(tmp_path):
+    """timm's fine-tuning call: 224 weights into a model built for (384, 256); the position embedding
+    is resampled as timm's own ``checkpoint_filter_fn`` resamples it, with one warning saying so."""
+    from timm.layers import resample_abs_pos_embed
+    deit = timm.create_model('deit_tiny_patch16_224')
+    path = tmp_path / 'deit_tiny.pth'
+    torch.save(deit.state_dict(), path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        model = timm.create_model('posattn_vit_tiny', img_size=(384, 256), pretrained=True,
+                                  pretrained_cfg_overlay=dict(file=str(path)))
+    assert [str(w.message) for w in caught] == [
+        f"VisionTransformer from checkpoint {path} (posattn layout): its pos_embed (1, 197, 192) is resampled from a "
+        f"14x14 grid to the model's 24x16 (1, 385, 192) (bicubic, 1 prefix token kept)"]
+    expected = resample_abs_pos_embed(deit.pos_embed.detach(), new_size=[24, 16], num_prefix_tokens=1)
+    torch.testing.assert_close(model.pos_embed.detach(), expected, rtol=0, atol=1e-6)
+    assert torch.equal(model.blocks[4].mlp.fc2.weight, deit.blocks[4].mlp.fc2.weight)
+
+
+def test_dynamic_img_size_and_pad_are_timms():
+    """``dynamic_img_size`` (posattn's ViT default: any input size) and ``dynamic_img_pad`` as timm
+    takes them, against timm's ViT with the same weights and options."""
+    for options, size in [(dict(dynamic_img_size=True), (96, 160)),
+                          (dict(dynamic_img_size=True, dynamic_img_pad=True), (100, 150))]:
+        reference = timm.create_model('vit_tiny_patch16_224', pretrained=False, depth=2, **options).eval()
+        model = timm.create_model('posattn_vit_tiny', phi='none', depth=2, **options).eval()
+        model.load_state_dict(reference.state_dict())
+        x = torch.randn(2, 3, *size)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), reference(x), rtol=0, atol=1e-5)
+    fixed = timm.create_model('posattn_vit_tiny', phi='peripheral', depth=1, dynamic_img_size=False)
+    assert fixed(torch.randn(1, 3, 224, 224)).shape == (1, 1000)
+    with pytest.raises(ValueError, match=r"input of 96x160 pixels gives a 6x10 grid, the model's is 14x14 "
+                                         r'\(dynamic_img_size=False\): resize the input or build the model with '
+                                         r'dynamic_img_size=True'):
+        fixed(torch.randn(1, 3, 96, 160))
+    with pytest.raises(ValueError, match='input of 100x150 pixels does not split into 16-pixel patches'):
+        timm.create_model('posattn_vit_tiny', depth=1)(torch.randn(1, 3, 100, 150))

@@ -123,3 +123,19 @@ def test_bad_arguments():
         posattn.create_model('vit_tiny', embed_dim=256)
     with pytest.raises(ValueError, match="unknown Φp 'rpe'"):
         small_vit(phi='rpe')
+
+
+@pytest.mark.parametrize('name', ['vit_tiny', 'pervit_tiny'])
+def test_device_and_dtype_at_construction(name, monkeypatch):
+    """timm's ``device`` / ``dtype`` arguments: built on the meta device directly (nothing is moved
+    there afterwards), or in another floating dtype."""
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.nn.Module, 'to', lambda *args, **kwargs: pytest.fail('the model was moved'))
+        model = posattn.create_model(name, phi='peripheral', device='meta')
+    assert {p.device.type for p in model.parameters()} == {'meta'}
+    half = posattn.create_model(name, dtype=torch.bfloat16)
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    assert {b.dtype for b in half.buffers() if b.is_floating_point()} <= {torch.bfloat16}
+    posattn.register_timm_models()
+    model = timm.create_model(f'posattn_{name}', device='meta', dtype=torch.float16)
+    assert {(p.device.type, p.dtype) for p in model.parameters()} == {('meta', torch.float16)}

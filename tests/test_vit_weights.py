@@ -234,3 +234,181 @@ def test_docs_examples_run_and_show_the_report(tmp_path, monkeypatch, timm_deit)
     exec(compile(config, 'docs/models.md', 'exec'), namespace)
     MODELS.build(namespace['model']['backbone']).init_weights()
     assert logged[0] == shown_report.replace('vit_tiny', 'PosattnViT', 1)
+
+
+def timm_resampled(pos_embed, grid_size, num_prefix_tokens=1):
+    """The oracle: timm's own resampling of a checkpoint's position embedding at load time."""
+    from timm.layers import resample_abs_pos_embed
+    return resample_abs_pos_embed(pos_embed, new_size=list(grid_size), num_prefix_tokens=num_prefix_tokens)
+
+
+def resample_report(grid_size):
+    tokens = 1 + grid_size[0] * grid_size[1]
+    return (f'its pos_embed (1, 197, 192) is resampled from a 14x14 grid to the model\'s {grid_size[0]}x{grid_size[1]} '
+            f'(1, {tokens}, 192) (bicubic, 1 prefix token kept)')
+
+
+@pytest.mark.parametrize('img_size,grid_size', [(384, (24, 24)), ((384, 256), (24, 16)), (160, (10, 10))])
+@pytest.mark.parametrize('source', ['timm', 'mmpretrain', 'timm_safetensors'])
+def test_224_weights_load_into_a_model_of_another_size(checkpoints, source, img_size, grid_size):
+    """The position embedding is resampled as timm resamples it; everything else loads as it is."""
+    path, source_weights = checkpoints[source]
+    model, reports = create_reporting('vit_tiny', img_size=img_size, checkpoint=path)
+    layout = 'mmpretrain ViT' if source == 'mmpretrain' else 'posattn'
+    assert reports == [f'vit_tiny from checkpoint {path} ({layout} layout): {resample_report(grid_size)}']
+    expected = timm_resampled(source_weights['pos_embed'], grid_size)
+    assert model.pos_embed.shape == expected.shape
+    torch.testing.assert_close(model.pos_embed.detach(), expected, rtol=0, atol=1e-6)
+    for key, value in model.state_dict().items():
+        assert key == 'pos_embed' or torch.equal(value, source_weights[key]), key
+
+
+def test_resampled_model_gives_timm_logits_at_384(checkpoints):
+    """timm's own path: a deit_tiny built for 384 whose 224 weights went through its checkpoint_filter_fn."""
+    from timm.models.vision_transformer import checkpoint_filter_fn
+    path, source_weights = checkpoints['timm']
+    reference = timm.create_model('deit_tiny_patch16_224', pretrained=False, img_size=384).eval()
+    reference.load_state_dict(checkpoint_filter_fn(dict(source_weights), reference))
+    model, _ = create_reporting('vit_tiny', img_size=384, checkpoint=path)
+    images = torch.randn(1, 3, 384, 384)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(images), reference(images), rtol=0, atol=1e-5)
+
+
+def test_resampling_joins_the_phi_report_in_one_line(checkpoints):
+    path, _ = checkpoints['timm']
+    _, reports = create_reporting('vit_tiny', phi='peripheral', img_size=(384, 256), checkpoint=path)
+    assert len(reports) == 1 and '\n' not in reports[0]
+    assert reports[0].startswith(f'vit_tiny from checkpoint {path} (posattn layout): 84 Φp keys are not in it')
+    assert reports[0].endswith('; ' + resample_report((24, 16)))
+
+
+def test_a_pos_embed_that_cannot_be_resampled_is_a_wrong_shape(tmp_path, timm_deit):
+    weights = timm_deit.state_dict()
+    narrow = dict(weights, pos_embed=weights['pos_embed'][..., :100])
+    with pytest.raises(ValueError, match=r'does not fit vit_tiny:\n  wrong shapes \(1\): pos_embed: checkpoint '
+                                         r'\(1, 197, 100\), model \(1, 577, 192\)$'):
+        posattn.create_model('vit_tiny', img_size=384, checkpoint=saved(tmp_path, narrow))
+    not_square = dict(weights, pos_embed=weights['pos_embed'][:, :150])
+    with pytest.raises(ValueError, match=r'wrong shapes \(1\): pos_embed: checkpoint \(1, 150, 192\), model '
+                                         r'\(1, 577, 192\)$'):
+        posattn.create_model('vit_tiny', img_size=384, checkpoint=saved(tmp_path, not_square))
+
+
+def test_resample_abs_pos_embed_is_timms():
+    from posattn.models.pos_embed import resample_abs_pos_embed
+    generator = torch.Generator().manual_seed(6)
+    pos_embed = torch.randn(1, 1 + 14 * 14, 8, generator=generator)
+    for new_size in [(24, 16), (7, 9), (14, 14)]:
+        torch.testing.assert_close(resample_abs_pos_embed(pos_embed, new_size), timm_resampled(pos_embed, new_size),
+                                   rtol=0, atol=1e-6)
+    half = pos_embed.half()
+    torch.testing.assert_close(resample_abs_pos_embed(half, (20, 20)), timm_resampled(half, (20, 20)), rtol=0, atol=0)
+    no_prefix = pos_embed[:, 1:]
+    torch.testing.assert_close(resample_abs_pos_embed(no_prefix, (5, 6), num_prefix_tokens=0),
+                               timm_resampled(no_prefix, (5, 6), num_prefix_tokens=0), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match='of 197 tokens with 0 prefix tokens has 197 grid tokens, not a square grid'):
+        resample_abs_pos_embed(pos_embed, (5, 5), num_prefix_tokens=0)
+    with pytest.raises(ValueError, match='a position embedding of 196 grid tokens is not a 10x20 grid'):
+        resample_abs_pos_embed(pos_embed, (5, 5), old_size=(10, 20))
+
+
+@pytest.mark.parametrize('img_size,grid_size', [(384, (24, 24)), ((384, 256), (24, 16))])
+def test_posattn_vit_pretrained_init_resamples_the_pos_embed(checkpoints, monkeypatch, img_size, grid_size):
+    from posattn_openmmlab import PosattnViT, backbones
+    logged = []
+    monkeypatch.setattr(backbones, 'print_log', lambda message, **kwargs: logged.append(message))
+    path, source_weights = checkpoints['mmpretrain']
+    backbone = PosattnViT(arch='tiny', img_size=img_size, init_cfg=dict(type='Pretrained', checkpoint=str(path)))
+    backbone.init_weights()
+    torch.testing.assert_close(backbone.model.pos_embed.detach(), timm_resampled(source_weights['pos_embed'], grid_size),
+                               rtol=0, atol=1e-6)
+    assert torch.equal(backbone.model.blocks[7].attn.qkv.weight, source_weights['blocks.7.attn.qkv.weight'])
+    assert logged[0] == f'PosattnViT from checkpoint {path} (mmpretrain ViT layout): {resample_report(grid_size)}'
+    outputs = backbone(torch.randn(1, 3, *((img_size,) * 2 if isinstance(img_size, int) else img_size)))
+    assert outputs[0].shape == (1, 192)
+
+
+DEIT3 = dict(init_values=1e-6, no_embed_class=True, depth=3)  # timm's deit3_small_patch16_224, 3 blocks
+
+
+@pytest.fixture(scope='module')
+def timm_deit3():
+    return randomised(timm.create_model('deit3_small_patch16_224', pretrained=False, depth=3,
+                                        dynamic_img_size=True), seed=7)
+
+
+@pytest.mark.parametrize('size', [(224, 224), (160, 96)])
+def test_deit3_weights_give_timms_logits(tmp_path, timm_deit3, size):
+    """Layer scale under timm's names (``ls1.gamma``, ``ls2.gamma``) and DeiT III's position embedding
+    without the class token: with phi='none' the model is timm's DeiT III, at any input size."""
+    path = saved(tmp_path, timm_deit3.state_dict())
+    model, reports = create_reporting('vit_small', phi='none', checkpoint=path, **DEIT3)
+    assert reports == [] and model.pos_embed.shape == (1, 196, 384)
+    images = torch.randn(2, 3, *size)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(images), timm_deit3(images), rtol=0, atol=1e-5)
+
+
+def test_deit3_weights_start_a_phi_model(tmp_path, timm_deit3):
+    weights = timm_deit3.state_dict()
+    path = saved(tmp_path, weights)
+    torch.manual_seed(8)
+    own_init = posattn.create_model('vit_small', phi='peripheral', **DEIT3).state_dict()
+    torch.manual_seed(8)
+    model, reports = create_reporting('vit_small', phi='peripheral', checkpoint=path, **DEIT3)
+    assert reports == [f'vit_small from checkpoint {path} (posattn layout): 21 Φp keys are not in it and start from '
+                       f'their own initialisation: blocks.{{0..2}}.attn.phi.{{proj1_weight, norm1_weight, norm1_bias, '
+                       f'proj2_weight, norm2_weight, norm2_bias, distance_embedding.weight}}']
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, own_init[key] if '.attn.phi.' in key else weights[key]), key
+    assert torch.equal(model.blocks[1].ls2.gamma, weights['blocks.1.ls2.gamma'])
+
+
+def test_layer_scale_starts_at_init_values():
+    model = posattn.create_model('vit_tiny', init_values=1e-6, depth=2)
+    reference = timm.create_model('deit3_small_patch16_224', pretrained=False, depth=2)
+    assert [name for name, _ in model.named_parameters() if 'ls' in name] == [
+        name for name, _ in reference.named_parameters() if 'ls' in name]
+    assert all(torch.equal(block.ls1.gamma, torch.full((192,), 1e-6)) for block in model.blocks)
+    assert not any('.ls' in name for name in posattn.create_model('vit_tiny', depth=2).state_dict())
+
+
+def test_deit3_weights_in_a_model_without_layer_scale_name_the_fix(tmp_path, timm_deit3):
+    path = saved(tmp_path, timm_deit3.state_dict())
+    with pytest.raises(ValueError, match=r'does not fit vit_small:\n  these weights have layer scale \(ls1.gamma, '
+                                         r'ls2.gamma\) and a position embedding without the class token: DeiT III\'s; '
+                                         r'build the model with init_values=1e-6 \(or any value: the weights set it\) '
+                                         r'and no_embed_class=True\n'
+                                         r'  unexpected keys \(6\): blocks.0.ls1.gamma; blocks.0.ls2.gamma'):
+        posattn.create_model('vit_small', depth=3, checkpoint=path)
+    with pytest.raises(ValueError, match=r'\n  these weights have layer scale \(ls1.gamma, ls2.gamma\): build the '
+                                         r'model with init_values=1e-6 \(or any value: the weights set it\)\n'):
+        posattn.create_model('vit_small', depth=3, no_embed_class=True, checkpoint=path)
+    with pytest.raises(ValueError, match=r"\n  their pos_embed \(1, 196, 384\) has no entry for the class token "
+                                         r"\(DeiT III's layout\): build the model with no_embed_class=True\n"):
+        posattn.create_model('vit_small', depth=3, init_values=1e-6, checkpoint=path)
+    deit = saved(tmp_path, posattn.create_model('vit_small', depth=3).state_dict())
+    with pytest.raises(ValueError, match=r'\n  the model has layer scale \(init_values\) and these weights do not: '
+                                         r'build it without init_values\n  missing keys \(6\): blocks.0.ls1.gamma'):
+        posattn.create_model('vit_small', depth=3, init_values=1e-6, checkpoint=deit)
+
+
+def test_deit3_release_and_mmpretrain_layer_scale_load(tmp_path, timm_deit3):
+    """The DeiT III release's names (``blocks.{i}.gamma_1``, renamed as timm's checkpoint_filter_fn
+    does) and mmpretrain's layer scale (``attn.gamma1.weight``, ``ffn.gamma2.weight``)."""
+    weights = timm_deit3.state_dict()
+    release = {re.sub(r'\.ls([12])\.gamma$', r'.gamma_\1', k): v for k, v in weights.items()}
+    assert 'blocks.2.gamma_2' in release
+    path = saved(tmp_path, {'model': release})
+    model, reports = create_reporting('vit_small', checkpoint=path, **DEIT3)
+    assert reports == [] and to_posattn_layout(read_checkpoint(path))[1] == 'DeiT III release'
+    assert all(torch.equal(value, weights[key]) for key, value in model.state_dict().items())
+    mmpretrain = randomised(build_mmpretrain_deit(layer_scale_init_value=1e-5), seed=9)
+    assert 'backbone.layers.3.ffn.gamma2.weight' in mmpretrain.state_dict()
+    path = saved(tmp_path, {'state_dict': mmpretrain.state_dict(), 'meta': {}})
+    model, reports = create_reporting('vit_tiny', init_values=1e-5, checkpoint=path)
+    assert reports == []
+    images = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(images), mmpretrain(images, mode='tensor'), rtol=0, atol=1e-5)

@@ -373,7 +373,9 @@ class PosattnViT(_TokenBackbone):
             timm's and posattn's ViT-S, not mmpretrain's 768-wide 'small'), 'b' / 'base' /
             'deit-b' / 'deit-base', 'l' / 'large', 'h' / 'huge'; or a dict with ``embed_dims``,
             ``num_layers``, ``num_heads`` and ``feedforward_channels``, as mmpretrain takes it.
-        img_size: training resolution, which sizes the learned position embedding.
+        img_size: training resolution, a side or (height, width), which sizes the learned position
+            embedding; a ``Pretrained`` checkpoint's of another grid is resampled to it (bicubic,
+            as timm and mmpretrain do), logged.
         out_indices: blocks whose outputs are returned, in the order given; negative ones count
             from the end. The last block's output goes through the final LayerNorm.
         out_type: 'cls_token' (B, C), 'featmap' (B, C, h, w), 'avg_featmap' (B, C), the mean of
@@ -393,14 +395,15 @@ class PosattnViT(_TokenBackbone):
             ``strict=False`` for a partial load); a plain ViT / DeiT's weights leave the Φp at
             its own initialisation, logged.
         **vit_kwargs: the rest of :class:`~posattn.models.vit.VisionTransformer`'s options:
-            ``phi``, ``phi_cfg``, ``pos_embed``, ``peg_after``, ``class_token``, ``patch_size``, ...
+            ``phi``, ``phi_cfg``, ``pos_embed``, ``peg_after``, ``class_token``, ``patch_size``,
+            ``init_values`` and ``no_embed_class`` (DeiT III), ...
 
     ``out_channels`` lists the channels of each output.
     """
 
     ARCH_KEYS = ('embed_dims', 'num_layers', 'num_heads', 'feedforward_channels')
 
-    def __init__(self, arch: Union[str, Mapping[str, Any]] = 'tiny', img_size: int = 224,
+    def __init__(self, arch: Union[str, Mapping[str, Any]] = 'tiny', img_size: Union[int, Tuple[int, int]] = 224,
                  out_indices: Union[int, Sequence[int]] = -1, out_type: str = 'cls_token',
                  frozen_stages: int = -1, norm_eval: bool = False, drop_path_rate: float = 0.0,
                  with_cp: bool = False, init_cfg: Optional[Union[dict, list]] = None, **vit_kwargs: Any):

@@ -1,6 +1,7 @@
 """Model names -> builders, behind ``posattn.create_model`` (timm's entry-point pattern)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -12,6 +13,7 @@ from torch import nn
 
 from ..convert import read_checkpoint, to_posattn_layout
 from ..phi import PositionalModule
+from .pos_embed import resample_abs_pos_embed, square_grid
 
 __all__ = ['register_model', 'create_model', 'create_from_arch', 'list_models', 'load_weights',
            'load_pretrained', 'load_checkpoint', 'fitting_model', 'state_dict_mismatch']
@@ -35,16 +37,26 @@ def register_model(name: str) -> Callable[[Builder], Builder]:
 
 
 def create_from_arch(model_class: Callable[..., nn.Module], archs: Mapping[str, Mapping[str, Any]], name: str,
-                     arch: str, **kwargs: Any) -> nn.Module:
+                     arch: str, device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None,
+                     **kwargs: Any) -> nn.Module:
     """``model_class(**archs[arch], **kwargs)``, the builder of the registered model ``name``.
 
     The sizes the arch sets cannot be passed again; a different size is a different model.
+
+    Args:
+        device: where the parameters and buffers are created (timm's ``device``): the model is
+            built under ``torch.device(device)``, so ``'meta'`` allocates nothing and ``'cuda'``
+            nothing on the CPU first. None: PyTorch's default device.
+        dtype: the floating dtype of the parameters and buffers (timm's ``dtype``), cast to once
+            the model is built on ``device``. None: PyTorch's default dtype.
     """
     fixed = sorted(set(kwargs) & set(archs[arch]))
     if fixed:
         raise TypeError(f'{", ".join(fixed)}: set by the model name {name!r}; build {model_class.__name__} '
                         f'directly to change it')
-    return model_class(**archs[arch], **kwargs)
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = model_class(**archs[arch], **kwargs)
+    return model if dtype is None else model.to(dtype=dtype)
 
 
 def list_models() -> List[str]:
@@ -156,6 +168,34 @@ def _create_model_remedy(name: str) -> str:
     return f'create_model({name!r}, checkpoint=...)'
 
 
+_LAYER_SCALE = re.compile(r'\.ls[12]\.gamma$')
+
+
+def _deit3_hint(model: nn.Module, state_dict: Mapping[str, Any], missing: Sequence[str],
+                unexpected: Sequence[str]) -> Optional[str]:
+    """What to build when DeiT III's options (layer scale, no position embedding for the class
+    token) differ between the weights and the model; None when they do not."""
+    layer_scale = any(_LAYER_SCALE.search(k) for k in unexpected)
+    target = getattr(model, 'pos_embed', None)
+    found = state_dict.get('pos_embed')
+    no_class_entry = (isinstance(target, torch.Tensor) and isinstance(found, torch.Tensor) and found.dim() == 3
+                      and found.shape != target.shape and not getattr(model, 'no_embed_class', False)
+                      and getattr(model, 'num_prefix_tokens', 0) > 0 and square_grid(found.shape[1]) is not None)
+    if layer_scale and no_class_entry:
+        return ("these weights have layer scale (ls1.gamma, ls2.gamma) and a position embedding without the class "
+                "token: DeiT III's; build the model with init_values=1e-6 (or any value: the weights set it) and "
+                'no_embed_class=True')
+    if layer_scale:
+        return ('these weights have layer scale (ls1.gamma, ls2.gamma): build the model with init_values=1e-6 '
+                '(or any value: the weights set it)')
+    if no_class_entry:
+        return (f'their pos_embed {tuple(found.shape)} has no entry for the class token (DeiT III\'s layout): build '
+                f'the model with no_embed_class=True')
+    if any(_LAYER_SCALE.search(k) for k in missing):
+        return 'the model has layer scale (init_values) and these weights do not: build it without init_values'
+    return None
+
+
 def load_weights(model: nn.Module, state_dict: Mapping[str, Any], *, source: str, target: str,
                  strict: bool = True, ignore: Sequence[str] = (),
                  remedy: Optional[Callable[[str], str]] = _create_model_remedy) -> List[str]:
@@ -188,6 +228,8 @@ def load_weights(model: nn.Module, state_dict: Mapping[str, Any], *, source: str
         elif 'dist_token' in unexpected:
             lines.append("  these are a distilled DeiT's weights (dist_token, head_dist): posattn's ViT has a class "
                          'token only; start from the DeiT weights without distillation')
+        elif (hint := _deit3_hint(model, state_dict, missing, unexpected)) is not None:
+            lines.append('  ' + hint)
         for label, items in (('missing keys', missing), ('unexpected keys', unexpected), ('wrong shapes', wrong)):
             if items:
                 lines.append(_listed(label, items))
@@ -238,6 +280,30 @@ def _compact_keys(keys: Sequence[str], prefixes: Sequence[str]) -> str:
                      for (head, tail, names), indices in groups.items())
 
 
+def _resampled_pos_embed(model: nn.Module, state_dict: Mapping[str, Any]) -> Tuple[Mapping[str, Any], Optional[str]]:
+    """``state_dict`` with its learned position embedding resampled to ``model``'s grid when it was
+    learned on another one (timm's ``checkpoint_filter_fn``: the checkpoint's grid taken square,
+    bicubic, the prefix tokens' embeddings kept), and a note saying so; unchanged, and None, when
+    it fits already or cannot be resampled (another width, a grid that is not square), which
+    loading then reports as a wrong shape."""
+    target = getattr(model, 'pos_embed', None)
+    found = state_dict.get('pos_embed')
+    if not (isinstance(target, torch.Tensor) and isinstance(found, torch.Tensor) and hasattr(model, 'grid_size')):
+        return state_dict, None
+    if found.shape == target.shape or found.dim() != 3 or found.shape[0] != 1 or found.shape[2] != target.shape[2]:
+        return state_dict, None
+    num_prefix_tokens = 0 if getattr(model, 'no_embed_class', False) else getattr(model, 'num_prefix_tokens', 0)
+    old_size = square_grid(found.shape[1] - num_prefix_tokens)
+    if old_size is None:
+        return state_dict, None
+    new_size = tuple(model.grid_size)
+    resampled = resample_abs_pos_embed(found, new_size, old_size, num_prefix_tokens)
+    kept = f', {num_prefix_tokens} prefix token{"s" * (num_prefix_tokens != 1)} kept' if num_prefix_tokens else ''
+    note = (f'its pos_embed {tuple(found.shape)} is resampled from a {old_size[0]}x{old_size[1]} grid to the '
+            f'model\'s {new_size[0]}x{new_size[1]} {tuple(resampled.shape)} (bicubic{kept})')
+    return {**state_dict, 'pos_embed': resampled}, note
+
+
 def load_pretrained(model: nn.Module, state_dict: Mapping[str, Any], *, source: str, target: str,
                     strict: bool = True, ignore: Sequence[str] = (),
                     remedy: Optional[Callable[[str], str]] = _create_model_remedy) -> Tuple[List[str], Optional[str]]:
@@ -254,19 +320,26 @@ def load_pretrained(model: nn.Module, state_dict: Mapping[str, Any], *, source: 
       are an error.
     - a model built without a learned position embedding (``pos_embed`` is None, as in posattn's
       ViT with ``pos_embed=False``, CPVT's setting) drops the weights' ``pos_embed``.
+    - a learned position embedding of another grid (weights trained at 224 in a model built for
+      384 or (384, 256)) is resampled to the model's ``grid_size`` as timm and mmpretrain do when
+      they load weights: the weights' grid taken square, bicubic with antialiasing, the prefix
+      tokens' embeddings kept (:func:`posattn.models.pos_embed.resample_abs_pos_embed`). One of
+      another width stays a wrong shape.
 
     Everything else is :func:`load_weights` with the same arguments: with ``strict``, any other
     missing, unexpected or mis-shaped key raises.
 
     Returns:
         (the keys not loaded, as :func:`load_weights` returns them; one line that names the keys
-        that started fresh and the dropped ``pos_embed``, or None when there are none).
+        that started fresh, the dropped ``pos_embed`` and the resampled one, or None when there are
+        none).
     """
     prefixes = _positional_prefixes(model)
     has_positional = any(key.startswith(tuple(prefixes)) for key in state_dict)
     fresh_prefixes = [] if has_positional else prefixes
     dropped = 'pos_embed' in state_dict and hasattr(model, 'pos_embed') and model.pos_embed is None
     kept = {k: v for k, v in state_dict.items() if not (dropped and k == 'pos_embed')}
+    kept, resampled = _resampled_pos_embed(model, kept)
     skipped = load_weights(model, kept, source=source, target=target, strict=strict,
                            ignore=(*ignore, *fresh_prefixes), remedy=remedy)
     fresh = [k for k in model.state_dict() if k.startswith(tuple(fresh_prefixes))]
@@ -276,4 +349,6 @@ def load_pretrained(model: nn.Module, state_dict: Mapping[str, Any], *, source: 
                      f'{_compact_keys(fresh, fresh_prefixes)}')
     if dropped:
         parts.append('its pos_embed is not loaded: the model has no learned position embedding (pos_embed=False)')
+    if resampled is not None:
+        parts.append(resampled)
     return skipped, (f'{target} from {source}: ' + '; '.join(parts)) if parts else None

@@ -17,6 +17,10 @@ with ``IRPE_K = dict(method='product', mode='ctx', on='k', shared_head=True, rat
 ``peg_after=(0,)`` is CPVT-Ti's single PEG at "position 0" (72.4, or 72.9 keeping the learned
 embedding). Any input size works: the learned position embedding is resized (bicubic) to the
 grid the input produces, and every Φp is evaluated on that grid.
+
+DeiT III (Touvron et al. 2022, timm's ``deit3_*``) is two options away, with timm's names:
+``init_values=1e-6`` (LayerScale ``ls1`` / ``ls2`` on the residual branches) and
+``no_embed_class=True`` (no position embedding for the class token).
 """
 from __future__ import annotations
 
@@ -32,13 +36,31 @@ from ..attention import Attention
 from ..grid import TokenGrid
 from ..phi import PositionalModule, build_layer_phi, build_phi
 from .layers import ClassifierApi, DropPath, Mlp, PatchEmbed, take_indices
+from .pos_embed import resample_abs_pos_embed
 from .registry import create_from_arch, register_model
 
-__all__ = ['VisionTransformer', 'Block', 'VIT_ARCHS', 'resize_pos_embed', 'vit_tiny', 'vit_small', 'vit_base']
+__all__ = ['VisionTransformer', 'Block', 'LayerScale', 'VIT_ARCHS', 'vit_tiny', 'vit_small', 'vit_base']
+
+
+class LayerScale(nn.Module):
+    """Per-channel scale of a residual branch, ``x * gamma`` (CaiT's LayerScale, DeiT III's
+    blocks), with timm's parameter name so that timm's layer-scale weights load as they are.
+
+    Args:
+        dim: token channels.
+        init_values: every channel's starting scale (DeiT III: 1e-6 for S and B).
+    """
+
+    def __init__(self, dim: int, init_values: float = 1e-5):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((dim,), float(init_values)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm1(x)), then x + mlp(norm2(x)).
+    """Pre-norm transformer block: x + ls1(attn(norm1(x))), then x + ls2(mlp(norm2(x))).
 
     Args:
         dim: token channels.
@@ -50,38 +72,27 @@ class Block(nn.Module):
         attn_drop: dropout on the attention probabilities.
         drop_path: stochastic depth rate of both residual branches.
         num_prefix_tokens: extra tokens before the grid.
+        init_values: starting scale of a :class:`LayerScale` on each residual branch (``ls1``,
+            ``ls2``); None (or 0) for none, DeiT's and ViT's blocks.
     """
 
     def __init__(self, dim: int, num_heads: int, phi: PositionalModule, mlp_ratio: float = 4.0,
                  qkv_bias: bool = True, drop: float = 0.0, attn_drop: float = 0.0,
-                 drop_path: float = 0.0, num_prefix_tokens: int = 0):
+                 drop_path: float = 0.0, num_prefix_tokens: int = 0, init_values: Optional[float] = None):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = Attention(dim, num_heads, phi=phi, qkv_bias=qkv_bias, attn_drop=attn_drop,
                               proj_drop=drop, num_prefix_tokens=num_prefix_tokens)
+        self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path1 = DropPath(drop_path)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
+        self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path2 = DropPath(drop_path)
 
     def forward(self, x: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
-        x = x + self.drop_path1(self.attn(self.norm1(x), grid))
-        return x + self.drop_path2(self.mlp(self.norm2(x)))
-
-
-def resize_pos_embed(pos_embed: torch.Tensor, old_hw: Tuple[int, int], new_hw: Tuple[int, int],
-                     num_prefix_tokens: int) -> torch.Tensor:
-    """Bicubic resize of a (1, prefix + H*W, C) learned embedding to a new grid.
-
-    DeiT's recipe (bicubic, align_corners=False) with antialiasing, as timm does, so that
-    shrinking the grid averages rather than skips rows. The prefix tokens' embeddings are kept.
-    """
-    if tuple(old_hw) == tuple(new_hw):
-        return pos_embed
-    prefix, grid = pos_embed.split([num_prefix_tokens, pos_embed.shape[1] - num_prefix_tokens], dim=1)
-    grid = rearrange(grid, 'b (h w) c -> b c h w', h=old_hw[0], w=old_hw[1])
-    grid = F.interpolate(grid, size=tuple(new_hw), mode='bicubic', align_corners=False, antialias=True)
-    return torch.cat([prefix, rearrange(grid, 'b c h w -> b (h w) c')], dim=1)
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), grid)))
+        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
 
 def _init_linear_layers(module: nn.Module) -> None:
@@ -102,8 +113,8 @@ class VisionTransformer(ClassifierApi, nn.Module):
     """ViT / DeiT with a pluggable Φp in every attention layer.
 
     Args:
-        img_size: training resolution; sets the size of the learned position embedding
-            (other input sizes resize it).
+        img_size: training resolution, a side or (height, width); sets the grid of the learned
+            position embedding (other input sizes resample it).
         patch_size: patch side in pixels.
         in_chans: input channels.
         num_classes: classifier outputs; 0 for no head (features).
@@ -124,14 +135,26 @@ class VisionTransformer(ClassifierApi, nn.Module):
         drop_rate: dropout after the position embedding, attention projections and MLPs.
         attn_drop_rate: dropout on attention probabilities.
         drop_path_rate: stochastic depth, rising linearly to this rate over the blocks.
+        init_values: layer scale (timm's ``ls1`` / ``ls2``, DeiT III's blocks) starting at this
+            value; None for none (DeiT, ViT).
+        no_embed_class: the learned position embedding covers the grid only and is added before
+            the class token is prepended (DeiT III's layout, timm's name); False: it covers the
+            class token too (DeiT's, ViT's).
+        dynamic_img_size: True: any input size, the learned position embedding resampled to the
+            grid it produces (timm's ``dynamic_img_size``; posattn's default). False: an input
+            whose grid is not ``img_size``'s is an error.
+        dynamic_img_pad: pad inputs on the right and bottom to a multiple of ``patch_size``
+            (timm's ``dynamic_img_pad``); False: such inputs are an error.
     """
 
-    def __init__(self, img_size: int = 224, patch_size: int = 16, in_chans: int = 3,
+    def __init__(self, img_size: Union[int, Tuple[int, int]] = 224, patch_size: int = 16, in_chans: int = 3,
                  num_classes: int = 1000, embed_dim: int = 192, depth: int = 12, num_heads: int = 3,
                  mlp_ratio: float = 4.0, qkv_bias: bool = True, class_token: bool = True,
                  global_pool: str = 'token', pos_embed: bool = True, peg_after: Sequence[int] = (),
                  phi: str = 'none', phi_cfg: Optional[Mapping[str, Any]] = None,
-                 drop_rate: float = 0.0, attn_drop_rate: float = 0.0, drop_path_rate: float = 0.0):
+                 drop_rate: float = 0.0, attn_drop_rate: float = 0.0, drop_path_rate: float = 0.0,
+                 init_values: Optional[float] = None, no_embed_class: bool = False,
+                 dynamic_img_size: bool = True, dynamic_img_pad: bool = False):
         super().__init__()
         self.num_prefix_tokens = int(class_token)
         self.global_pool = self._checked_pool(global_pool)
@@ -144,9 +167,13 @@ class VisionTransformer(ClassifierApi, nn.Module):
         self.embed_dim = self.num_features = self.head_hidden_size = embed_dim
         self.grad_checkpointing = False
         self.patch_embed = PatchEmbed(patch_size, in_chans, embed_dim)
-        self.grid_size = (img_size // patch_size, img_size // patch_size)
+        img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+        self.grid_size = (img_size[0] // patch_size, img_size[1] // patch_size)
+        self.no_embed_class = no_embed_class
+        self.dynamic_img_size = dynamic_img_size
+        self.dynamic_img_pad = dynamic_img_pad
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
-        num_tokens = self.num_prefix_tokens + self.grid_size[0] * self.grid_size[1]
+        num_tokens = (0 if no_embed_class else self.num_prefix_tokens) + self.grid_size[0] * self.grid_size[1]
         self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, embed_dim)) if pos_embed else None
         self.pos_drop = nn.Dropout(drop_rate)
         drop_paths = torch.linspace(0, drop_path_rate, depth, device='cpu').tolist()
@@ -154,7 +181,7 @@ class VisionTransformer(ClassifierApi, nn.Module):
             Block(embed_dim, num_heads,
                   build_layer_phi(phi, phi_cfg, dim=embed_dim, num_heads=num_heads,
                                   num_prefix_tokens=self.num_prefix_tokens, layer_index=i, num_layers=depth),
-                  mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, drop_paths[i], self.num_prefix_tokens)
+                  mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, drop_paths[i], self.num_prefix_tokens, init_values)
             for i in range(depth)])
         self.pegs = nn.ModuleDict({str(i): build_phi('peg', dim=embed_dim) for i in peg_after})
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
@@ -180,12 +207,22 @@ class VisionTransformer(ClassifierApi, nn.Module):
 
     def embed_tokens(self, x: torch.Tensor) -> Tuple[torch.Tensor, TokenGrid]:
         """Images (B, C, H, W) -> the first block's input (B, prefix + h*w, embed_dim) and its grid."""
+        height, width = x.shape[-2:]
+        patch = self.patch_embed.patch_size
+        if self.dynamic_img_pad:  # timm pads on the right and bottom
+            x = F.pad(x, (0, -width % patch, 0, -height % patch))
         x, hw = self.patch_embed(x)
+        if not self.dynamic_img_size and tuple(hw) != self.grid_size:
+            raise ValueError(f'input of {height}x{width} pixels gives a {hw[0]}x{hw[1]} grid, the model\'s is '
+                             f'{self.grid_size[0]}x{self.grid_size[1]} (dynamic_img_size=False): resize the input '
+                             f'or build the model with dynamic_img_size=True')
         grid = TokenGrid(*hw, self.num_prefix_tokens)
+        if self.pos_embed is not None and self.no_embed_class:
+            x = x + resample_abs_pos_embed(self.pos_embed, hw, self.grid_size, num_prefix_tokens=0)
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        if self.pos_embed is not None:
-            x = x + resize_pos_embed(self.pos_embed, self.grid_size, hw, self.num_prefix_tokens)
+        if self.pos_embed is not None and not self.no_embed_class:
+            x = x + resample_abs_pos_embed(self.pos_embed, hw, self.grid_size, self.num_prefix_tokens)
         return self.pos_drop(x), grid
 
     def iter_blocks(self, x: torch.Tensor, grid: TokenGrid,
