@@ -142,7 +142,7 @@ class Attention(nn.Module):
         phi_bias = self.phi(q, k, grid) if self.phi.gives_logits_bias else None  # called: its hooks run
         self.logits_probe(q, k, phi_bias, grid, key_mask=key_mask, own_bias=own_bias)
         bias = phi_bias if own_bias is None else own_bias if phi_bias is None else phi_bias + own_bias
-        if self.phi.uses_attention_probs or (self.training and self.attn_drop.p > 0):
+        if self._materialises_probabilities():
             attn = self.attn_drop(attention_probs(q, k, bias, key_mask))
             out = attn @ v
             value_term = self.phi.value_term(attn, grid)
@@ -152,13 +152,18 @@ class Attention(nn.Module):
             out = biased_attention(q, k, v, bias, key_mask)
         return rearrange(out, 'b h n d -> b n (h d)')
 
+    def _materialises_probabilities(self) -> bool:
+        """Whether this call forms the (B, heads, N, N) probabilities: for a Φp's value term, or for
+        attention dropout while training; otherwise the fused kernel runs."""
+        return self.phi.uses_attention_probs or (self.training and self.attn_drop.p > 0)
+
     def _check_memory(self, q: torch.Tensor, grid: TokenGrid) -> None:
         """Fail before the work when the (heads, N, N) terms this call needs cannot fit: a
         positional bias (and its computation, about as large again), and the attention
         probabilities (B, heads, N, N) where they are materialised."""
         batch, heads, tokens, _ = q.shape
         pair_terms = 2 if self.phi.gives_logits_bias else 0
-        if self.phi.uses_attention_probs or (self.training and self.attn_drop.p > 0):
+        if self._materialises_probabilities():
             pair_terms += 2 * batch
         nbytes = pair_terms * heads * tokens * tokens * q.element_size()
         check_fits(nbytes, q.device, f'attention over {tokens} tokens ({grid}) in {heads} heads',
