@@ -3,7 +3,9 @@
 :func:`read_checkpoint` is the one reader of checkpoint files (PyTorch's or safetensors, weights-only,
 with errors that say what a file is when it is not a checkpoint). The models never see a foreign layout:
 :func:`posattn.create_model` (``checkpoint=path``) calls :func:`to_posattn_layout`, which
-recognises the layout and converts it here.
+recognises the layout and converts it here. What wraps a state_dict (:func:`unwrap_state_dict`) and
+which layout a checkpoint is in, whole or under a prefix (:func:`to_posattn_layout`), are decided here
+only; the OpenMMLab integration calls these functions too.
 
 Classifiers trained through mmengine (``tools/train.py``): ``{'meta': ..., 'state_dict': ...}``
 with the backbone under ``backbone.model.`` and mmpretrain's linear head under ``head.fc.``;
@@ -65,7 +67,7 @@ import json
 import os
 import pickle
 import re
-from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -220,7 +222,7 @@ _PERVIT_RELEASE_RENAMES = [
 def unwrap_state_dict(checkpoint: Mapping[str, Any]) -> StateDict:
     """The state_dict of a checkpoint: the mapping itself, its ``'model'`` entry (the release's,
     DeiT's and timm's training checkpoints, which also hold the optimiser and arguments) or its
-    ``'state_dict'`` entry (mmengine's)."""
+    ``'state_dict'`` entry (mmengine's). The one place that knows what wraps a state_dict."""
     if not isinstance(checkpoint, Mapping):
         raise TypeError(f'a checkpoint is a state_dict or a dict with a "model" state_dict (or a "state_dict" '
                         f'one, as mmengine saves), got {type(checkpoint).__name__}')
@@ -276,19 +278,20 @@ _MMENGINE_HEAD = 'head.fc.'
 
 
 def is_mmengine_checkpoint(checkpoint: Mapping[str, Any]) -> bool:
-    """Whether ``checkpoint`` is one mmengine wrote for posattn's backbones: a ``state_dict`` with
-    ``backbone.model.*`` keys."""
-    state_dict = checkpoint.get('state_dict') if isinstance(checkpoint, Mapping) else None
-    return isinstance(state_dict, Mapping) and any(k.startswith(_MMENGINE_BACKBONE) for k in state_dict)
+    """Whether ``checkpoint`` (a state_dict, or ``{'state_dict': ...}`` as mmengine saves it) is one
+    that mmengine wrote for posattn's backbones: ``backbone.model.*`` keys."""
+    if not isinstance(checkpoint, Mapping):
+        return False
+    return any(key.startswith(_MMENGINE_BACKBONE) for key in unwrap_state_dict(checkpoint))
 
 
 def mmengine_to_posattn(checkpoint: Mapping[str, Any], model_only: bool = False) -> StateDict:
-    """The posattn model inside an mmengine checkpoint of ``PosattnPerViT`` / ``PosattnViT``:
-    ``backbone.model.*`` without the prefix, mmpretrain's ``head.fc.*`` as ``head.*``. Other keys
-    (necks, detection or segmentation heads) are kept as they are, so that loading reports them,
-    unless ``model_only``."""
+    """The posattn model inside an mmengine checkpoint of ``PosattnPerViT`` / ``PosattnViT`` (the
+    state_dict, or ``{'state_dict': ...}``): ``backbone.model.*`` without the prefix, mmpretrain's
+    ``head.fc.*`` as ``head.*``. Other keys (necks, detection or segmentation heads) are kept as they
+    are, so that loading reports them, unless ``model_only``."""
     converted = {}
-    for key, value in checkpoint['state_dict'].items():
+    for key, value in unwrap_state_dict(checkpoint).items():
         if key.startswith(_MMENGINE_BACKBONE):
             key = key[len(_MMENGINE_BACKBONE):]
         elif key.startswith(_MMENGINE_HEAD):
@@ -339,12 +342,30 @@ def is_deit3_release(state_dict: Mapping[str, Any]) -> bool:
     return any(_DEIT3_LAYER_SCALE.match(key) for key in state_dict)
 
 
-def to_posattn_layout(checkpoint: Mapping[str, Any]) -> Tuple[StateDict, str]:
-    """(state_dict in posattn's layout, the layout it was found in: 'PerViT release', 'mmengine',
-    'mmpretrain ViT', 'DeiT III release' or 'posattn', which is timm's for ViT / DeiT)."""
-    if is_mmengine_checkpoint(checkpoint):
-        return without_cancelled_biases(mmengine_to_posattn(checkpoint)), 'mmengine'
+def to_posattn_layout(checkpoint: Mapping[str, Any], *, prefix: Optional[str] = None, model_only: bool = False,
+                      source: str = 'the checkpoint') -> Tuple[StateDict, str]:
+    """(state_dict in posattn's layout, the layout it was found in: 'mmengine', 'PerViT release',
+    'mmpretrain ViT', 'DeiT III release' or 'posattn', which is timm's for ViT / DeiT; under a
+    ``prefix`` also 'posattn backbone').
+
+    The one place that recognises a layout: ``checkpoint`` is a state_dict or a training checkpoint
+    holding one (:func:`unwrap_state_dict`), told apart by its keys.
+
+    Args:
+        prefix: read only the keys that start with it, without it (mmengine's ``Pretrained``
+            ``prefix``, e.g. ``'backbone.'`` of a classifier). Under it lie a posattn backbone's own
+            weights (``model.*``, as the OpenMMLab backbones save them: the 'posattn backbone'
+            layout), an mmpretrain ``VisionTransformer``'s (its classifier's ``backbone.``), or any
+            layout above. A prefix no key starts with is a ValueError naming the keys' first parts.
+        model_only: leave out what is not the posattn model: the necks and the detection or
+            segmentation heads of an mmengine checkpoint (the other layouts hold one model).
+        source: what ``checkpoint`` is, for the error about ``prefix`` (e.g. its path).
+    """
     state_dict = unwrap_state_dict(checkpoint)
+    if prefix is not None:
+        return _under_prefix(state_dict, prefix, source)
+    if is_mmengine_checkpoint(state_dict):
+        return without_cancelled_biases(mmengine_to_posattn(state_dict, model_only)), 'mmengine'
     if is_pervit_release(state_dict):
         return pervit_from_release(state_dict), 'PerViT release'
     if is_mmpretrain_vit(state_dict):
@@ -352,3 +373,22 @@ def to_posattn_layout(checkpoint: Mapping[str, Any]) -> Tuple[StateDict, str]:
     if is_deit3_release(state_dict):
         return _renamed(state_dict, [(_DEIT3_LAYER_SCALE.pattern, r'blocks.\1.ls\2.gamma')]), 'DeiT III release'
     return without_cancelled_biases(state_dict), 'posattn'
+
+
+_POSATTN_BACKBONE = 'model.'  # where the OpenMMLab backbones keep their posattn model
+
+
+def _under_prefix(state_dict: Mapping[str, Any], prefix: str, source: str) -> Tuple[StateDict, str]:
+    """:func:`to_posattn_layout` of the keys of ``state_dict`` under ``prefix``, without it."""
+    selected = {key[len(prefix):]: value for key, value in state_dict.items() if key.startswith(prefix)}
+    if not selected:
+        starts = sorted({key.split('.')[0] + '.' for key in state_dict})
+        raise ValueError(f'no key of {source} starts with prefix {prefix!r}; its keys start with {starts[:8]}'
+                         + (' ...' if len(starts) > 8 else ''))
+    if all(key.startswith(_POSATTN_BACKBONE) for key in selected):
+        backbone = {key[len(_POSATTN_BACKBONE):]: value for key, value in selected.items()}
+        return without_cancelled_biases(backbone), 'posattn backbone'
+    rebased = {'backbone.' + key: value for key, value in selected.items()}  # an mmpretrain classifier's names
+    if is_mmpretrain_vit(rebased):
+        return mmpretrain_vit_to_posattn(rebased), 'mmpretrain ViT'
+    return to_posattn_layout(selected)

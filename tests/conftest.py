@@ -37,15 +37,22 @@ def load_fixture(name):
 
 # What the OpenMMLab tests import: the `mm` extra of pyproject.toml, by module name.
 OPENMMLAB_MODULES = ('mmengine', 'mmcv', 'mmpretrain', 'mmdet', 'mmseg', 'pycocotools')
+# Those not installed, looked up without importing them.
+MISSING_OPENMMLAB = [name for name in OPENMMLAB_MODULES if importlib.util.find_spec(name) is None]
+OPENMMLAB_SKIP_REASON = (f'the OpenMMLab tests need {", ".join(MISSING_OPENMMLAB)}, not installed: '
+                         "pip install '.[mm]' (mmcv 2.1.0 with its compiled ops: make setup)")
 
 
 def require_openmmlab():
     """Skip the calling test module, at collection, where the OpenMMLab stack is not installed
-    (``pip install .[test]`` alone); looks the modules up without importing them."""
-    missing = [name for name in OPENMMLAB_MODULES if importlib.util.find_spec(name) is None]
-    if missing:
-        pytest.skip(f'the OpenMMLab tests need {", ".join(missing)}, not installed: '
-                    "pip install '.[mm]' (mmcv 2.1.0 with its compiled ops: make setup)", allow_module_level=True)
+    (``pip install .[test]`` alone): call it before the module's OpenMMLab imports."""
+    if MISSING_OPENMMLAB:
+        pytest.skip(OPENMMLAB_SKIP_REASON, allow_module_level=True)
+
+
+# Marks a test that imports OpenMMLab inside its body, in a module whose other tests run without it:
+# skipped, with the reason, where the stack is not installed.
+needs_openmmlab = pytest.mark.skipif(bool(MISSING_OPENMMLAB), reason=OPENMMLAB_SKIP_REASON)
 
 
 # (scale, shift) of the random peripheral Φp parameters, in PeripheralPhi.weights() order: w, PP1,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import posattn
-from posattn.convert import is_pervit_release, pervit_from_release, to_posattn_layout
+from posattn.convert import is_pervit_release, pervit_from_release, to_posattn_layout, unwrap_state_dict
 
 from conftest import FIXTURES, load_fixture
 from release_fixtures import PERVIT, TRIMS, load_trimmed, pervit_fixture
@@ -217,6 +217,52 @@ def test_checkpoint_mismatch_lists_missing_unexpected_and_classifier(tmp_path):
     torch.save(state_dict, path)
     with pytest.raises(ValueError, match=r"missing keys \(1\): norm.weight\n  unexpected keys \(1\): extra.weight"):
         posattn.create_model('pervit_tiny', checkpoint=path, num_classes=10)
+
+
+def test_each_wrapping_of_a_state_dict_is_unwrapped():
+    state_dict = {'norm.weight': torch.ones(2)}
+    for wrapped in (state_dict, {'model': state_dict, 'epoch': 3}, {'state_dict': state_dict, 'meta': {}}):
+        assert unwrap_state_dict(wrapped) == state_dict
+    with pytest.raises(TypeError, match='a checkpoint is a state_dict or a dict with a "model" state_dict .*, '
+                                        'got Tensor'):
+        unwrap_state_dict(torch.ones(1))
+
+
+def mmengine_classifier(state_dict):
+    """A posattn classifier's ``state_dict`` as mmengine saves it with mmpretrain's head, and a neck."""
+    return {**{('head.fc.' + k[len('head.'):]) if k.startswith('head.') else 'backbone.model.' + k: v
+               for k, v in state_dict.items()}, 'neck.lateral.weight': torch.zeros(4, 4)}
+
+
+def tensors(state_dict):
+    """Which tensor each key holds (the conversions rename; they copy nothing)."""
+    return {key: id(value) for key, value in state_dict.items()}
+
+
+def test_mmengine_layout_whole_model_only_and_under_a_prefix():
+    expected = posattn.create_model('pervit_tiny', num_classes=6).state_dict()
+    body = {k: v for k, v in expected.items() if not k.startswith('head.')}
+    saved = mmengine_classifier(expected)
+    with_neck = {**expected, 'neck.lateral.weight': saved['neck.lateral.weight']}
+    cases = [({}, 'mmengine', with_neck), (dict(model_only=True), 'mmengine', expected),
+             (dict(prefix='backbone.'), 'posattn backbone', body), (dict(prefix='backbone.model.'), 'posattn', body)]
+    for checkpoint in (saved, {'meta': {}, 'state_dict': saved}):  # bare, or as mmengine writes it
+        for options, layout, keys in cases:
+            converted, found = to_posattn_layout(checkpoint, **options)
+            assert (found, tensors(converted)) == (layout, tensors(keys)), options
+        assert to_posattn_layout(checkpoint, prefix='head.fc.')[0].keys() == {'weight', 'bias'}
+        with pytest.raises(ValueError, match=re.escape("no key of x.pth starts with prefix 'neck.lat.'; its keys "
+                                                       "start with ['backbone.', 'head.', 'neck.']")):
+            to_posattn_layout(checkpoint, prefix='neck.lat.', source='x.pth')
+
+
+def test_a_backbone_under_a_prefix_drops_the_cancelled_biases():
+    body = posattn.create_model('pervit_tiny', num_classes=0).state_dict()
+    old = {'backbone.model.' + k: v for k, v in body.items()}
+    old['backbone.model.distance_embedding.bias'] = torch.ones(16)  # as posattn saved it when it had one
+    for prefix, layout in (('backbone.', 'posattn backbone'), ('backbone.model.', 'posattn')):
+        converted, found = to_posattn_layout({'state_dict': old}, prefix=prefix)
+        assert (found, tensors(converted)) == (layout, tensors(body))
 
 
 def test_checkpoint_with_arbitrary_objects_is_refused(tmp_path):

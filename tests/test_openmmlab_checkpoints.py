@@ -36,7 +36,7 @@ import posattn_openmmlab.runner as runner_module
 from posattn_openmmlab import PosattnPerViT
 from posattn_openmmlab.atomic import atomic_write, remove_partial_writes
 from posattn_openmmlab.checkpoint import load_local_checkpoint
-from posattn_openmmlab.dense_shapes import STALE_STAGING_SECONDS, ensure_dense_shapes
+from posattn_openmmlab.dense_shapes_dataset import STALE_STAGING_SECONDS, ensure_dense_shapes
 from posattn_openmmlab.random_state import capture_random_state, restore_random_state
 from posattn_openmmlab.runner import load_model_weights
 from posattn_openmmlab.work_dir_lock import WorkDirInUseError, WorkDirLock
@@ -386,6 +386,64 @@ def test_auto_resume_reads_the_candidates_newest_first(tmp_path):
         runner._newest_complete_checkpoint()
 
 
+def counted_reads(monkeypatch):
+    """The paths the runner module reads checkpoints from, in order, from now on."""
+    reads = []
+    read = runner_module.load_checkpoint_file
+
+    def counted(filename, map_location=None):
+        reads.append(str(filename))
+        return read(filename, map_location=map_location)
+    monkeypatch.setattr(runner_module, 'load_checkpoint_file', counted)
+    return reads
+
+
+def toy_weights(value):
+    return {'linear.weight': torch.full((1, 1), value), 'linear.bias': torch.full((1,), value)}
+
+
+def test_resume_loads_the_checkpoint_its_search_read(tmp_path, monkeypatch):
+    """--resume without a path reads the newest checkpoint once: the search reads it to know it is complete,
+    and loading it takes what the search read (once); a runner given a point found before it was built
+    (tools/train.py's) reads nothing while that point is still the newest, unchanged."""
+    for epoch in (1, 2):
+        torch.save({'meta': {'epoch': epoch}, 'state_dict': toy_weights(epoch)}, tmp_path / f'epoch_{epoch}.pth')
+    newest = str(tmp_path / 'epoch_2.pth')
+    found = runner_module.find_resumable_checkpoint(str(tmp_path), ['epoch_{}.pth'])
+    reads = counted_reads(monkeypatch)
+
+    runner = toy_runner(tmp_path)
+    assert runner._newest_complete_checkpoint() == newest and reads == [newest]
+    assert runner.load_checkpoint(newest)['meta'] == {'epoch': 2} and reads == [newest]
+    assert torch.equal(runner.model.linear.bias, torch.full((1,), 2.0))
+    runner.load_checkpoint(newest)
+    assert reads == [newest] * 2  # handed over once
+
+    runner = toy_runner(tmp_path)
+    runner.resume_from(found)
+    assert runner._newest_complete_checkpoint() == newest
+    assert runner.load_checkpoint(newest) is found.checkpoint and reads == [newest] * 2
+
+    torch.save({'meta': {'epoch': 2}, 'state_dict': toy_weights(5)}, tmp_path / 'replaced.pth')
+    os.replace(tmp_path / 'replaced.pth', newest)  # another file under the name found
+    runner.resume_from(found)
+    assert runner._newest_complete_checkpoint() == newest and reads == [newest] * 3
+    assert runner.load_checkpoint(newest) is not found.checkpoint and reads == [newest] * 3
+    assert torch.equal(runner.model.linear.bias, torch.full((1,), 5.0))
+
+    torch.save({'meta': {'epoch': 3}, 'state_dict': toy_weights(3)}, tmp_path / 'epoch_3.pth')  # a newer one
+    runner.resume_from(runner_module.find_resumable_checkpoint(str(tmp_path), ['epoch_{}.pth']))
+    (tmp_path / 'epoch_4.pth').write_bytes((tmp_path / 'epoch_3.pth').read_bytes())
+    assert runner._newest_complete_checkpoint() == str(tmp_path / 'epoch_4.pth')
+
+
+def test_load_model_weights_reads_every_wrapping_of_a_state_dict():
+    for checkpoint in (toy_weights(4), {'state_dict': toy_weights(4), 'meta': {}}, {'model': toy_weights(4)}):
+        model = Toy()
+        assert load_model_weights(model, checkpoint, source='x.pth', target='Toy') == []
+        assert torch.equal(model.linear.weight, torch.full((1, 1), 4.0))
+
+
 def test_tools_use_a_posattn_runner_only():
     from _common import build_runner
     from mmengine.config import Config
@@ -523,7 +581,7 @@ def test_dense_set_removes_the_staging_folders_of_killed_generations(tmp_path):
     root = tmp_path / 'shapes_dense'
     small = dict(img_size=(64, 96), sizes=dict(train=2, val=1))
     code = ('import os, signal\n'
-            'from posattn_openmmlab import dense_shapes\n'
+            'from posattn_openmmlab import dense_shapes_dataset as dense_shapes\n'
             'def killed(*args):\n'
             '    os.kill(os.getpid(), signal.SIGKILL)\n'
             'dense_shapes._write_split = killed\n'

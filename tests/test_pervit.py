@@ -146,7 +146,7 @@ def test_features_and_intermediates(tiny):
         torch.testing.assert_close(normed[-1], features)
         torch.testing.assert_close(normed[0], tiny.forward_intermediates(images, [10], intermediates_only=True)[0])
     assert [m.shape for m in maps] == [(2, 192, 6, 4), (2, 224, 6, 4), (2, 280, 6, 4), (2, 280, 6, 4)]
-    with pytest.raises(ValueError, match=r'block indices \[3, 12\] are not in 0..11'):
+    with pytest.raises(ValueError, match=r'indices \[3, 12\] must name blocks in 0..11 \(or -12..-1\)'):
         tiny.forward_intermediates(images, [3, 12])
 
 

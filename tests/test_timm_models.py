@@ -68,7 +68,7 @@ def test_importing_posattn_leaves_timm_registry_unchanged():
         before = registry()
         import posattn
         assert registry() == before, "importing posattn changed timm's registry"
-        assert 'posattn.models.in_timm' not in sys.modules
+        assert 'posattn.models.timm_registration' not in sys.modules
         with warnings.catch_warnings():
             warnings.simplefilter('error')
             names = posattn.register_timm_models()
@@ -113,10 +113,15 @@ def test_registering_without_timm_says_to_install_it():
 
 
 @pytest.mark.parametrize('name', names())
-def test_forward(name):
+def test_forward_is_the_posattn_models(name):
+    """timm builds the posattn model of that name with its defaults: the same logits from the same weights."""
     model = timm.create_model(name, pretrained=False).eval()
+    reference = posattn.create_model(name[len('posattn_'):]).eval()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(1, *input_size(model, FORWARD_SIZE))
     with torch.no_grad():
-        out = model(torch.randn(1, *input_size(model, FORWARD_SIZE)))
+        out = model(x)
+        torch.testing.assert_close(out, reference(x), rtol=0, atol=0)
     assert out.shape == (1, 1000) and not out.isnan().any()
 
 

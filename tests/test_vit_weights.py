@@ -15,7 +15,7 @@ import torch
 import posattn
 from posattn.convert import read_checkpoint, to_posattn_layout
 
-from conftest import randomised
+from conftest import MISSING_OPENMMLAB, needs_openmmlab, randomised
 
 timm = pytest.importorskip('timm')
 
@@ -48,20 +48,27 @@ def build_mmpretrain_deit(**backbone_options):
 
 @pytest.fixture(scope='module')
 def mmpretrain_deit():
-    return randomised(build_mmpretrain_deit(), seed=2)
+    """mmpretrain's DeiT-Tiny classifier, random; None without OpenMMLab."""
+    return None if MISSING_OPENMMLAB else randomised(build_mmpretrain_deit(), seed=2)
+
+
+def sources(*names):
+    """The checkpoint sources as parameters, mmpretrain's skipped without OpenMMLab."""
+    return [pytest.param(name, marks=[needs_openmmlab] if name == 'mmpretrain' else []) for name in names]
 
 
 @pytest.fixture(scope='module')
 def checkpoints(tmp_path_factory, timm_deit, mmpretrain_deit):
-    """name -> (path, {posattn key: source tensor})."""
+    """name -> (path, {posattn key: source tensor}); 'mmpretrain' only with OpenMMLab."""
     folder = tmp_path_factory.mktemp('vit_weights')
     timm_weights = timm_deit.state_dict()
-    mmpretrain_weights = mmpretrain_deit.state_dict()
-    saved = {'timm': timm_weights, 'deit_training': {'model': timm_weights, 'epoch': 299},
-             'mmpretrain': {'state_dict': mmpretrain_weights, 'meta': {}}}
-    expected = {'timm': timm_weights, 'deit_training': timm_weights,
-                'mmpretrain': {k: mmpretrain_weights[mmpretrain_name(k)]
-                               for k in posattn.create_model('vit_tiny').state_dict()}}
+    saved = {'timm': timm_weights, 'deit_training': {'model': timm_weights, 'epoch': 299}}
+    expected = {'timm': timm_weights, 'deit_training': timm_weights}
+    if mmpretrain_deit is not None:
+        mmpretrain_weights = mmpretrain_deit.state_dict()
+        saved['mmpretrain'] = {'state_dict': mmpretrain_weights, 'meta': {}}
+        expected['mmpretrain'] = {k: mmpretrain_weights[mmpretrain_name(k)]
+                                  for k in posattn.create_model('vit_tiny').state_dict()}
     paths = {name: folder / f'{name}.pth' for name in saved}
     for name, content in saved.items():
         torch.save(content, paths[name])
@@ -82,14 +89,14 @@ def create_reporting(*args, **kwargs):
 
 def test_layouts_are_recognised(checkpoints):
     layouts = {name: to_posattn_layout(read_checkpoint(path)) for name, (path, _) in checkpoints.items()}
-    assert {name: layout for name, (_, layout) in layouts.items()} == {
-        'timm': 'posattn', 'deit_training': 'posattn', 'mmpretrain': 'mmpretrain ViT', 'timm_safetensors': 'posattn'}
+    expected = {'timm': 'posattn', 'deit_training': 'posattn', 'mmpretrain': 'mmpretrain ViT', 'timm_safetensors': 'posattn'}
+    assert {name: layout for name, (_, layout) in layouts.items()} == {name: expected[name] for name in checkpoints}
     keys = list(posattn.create_model('vit_tiny').state_dict())
     for state_dict, _ in layouts.values():
         assert sorted(state_dict) == sorted(keys)
 
 
-@pytest.mark.parametrize('source', ['timm', 'deit_training', 'mmpretrain', 'timm_safetensors'])
+@pytest.mark.parametrize('source', sources('timm', 'deit_training', 'mmpretrain', 'timm_safetensors'))
 def test_phi_none_gives_the_source_logits(checkpoints, timm_deit, mmpretrain_deit, source):
     model, reports = create_reporting('vit_tiny', checkpoint=checkpoints[source][0])
     assert reports == []
@@ -100,7 +107,7 @@ def test_phi_none_gives_the_source_logits(checkpoints, timm_deit, mmpretrain_dei
 
 
 @pytest.mark.parametrize('phi', posattn.list_phis())
-@pytest.mark.parametrize('source', ['timm', 'mmpretrain'])
+@pytest.mark.parametrize('source', sources('timm', 'mmpretrain'))
 def test_every_phi_starts_fresh_and_everything_else_loads(checkpoints, phi, source):
     path, source_weights = checkpoints[source]
     torch.manual_seed(3)
@@ -172,6 +179,7 @@ def test_weights_of_another_or_part_of_a_phi_are_not_a_plain_vit(tmp_path):
         posattn.create_model('vit_tiny', phi='peripheral', checkpoint=saved(tmp_path, part))
 
 
+@needs_openmmlab
 def test_classifier_and_distilled_deit_errors_name_the_fix(tmp_path, checkpoints):
     with pytest.raises(ValueError, match=r'only the classifier differs: pass num_classes=1000\n'
                                          r'  wrong shapes \(2\): head.weight'):
@@ -182,6 +190,34 @@ def test_classifier_and_distilled_deit_errors_name_the_fix(tmp_path, checkpoints
         posattn.create_model('vit_tiny', phi='peripheral', checkpoint=saved(tmp_path, distilled))
 
 
+def loading_reporting(model, path):
+    """The warnings of loading ``path`` into ``model`` as timm's ``pretrained=True`` does (a classifier
+    of another size left out)."""
+    from posattn.models.registry import load_checkpoint
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        load_checkpoint(model, path, target='vit_tiny', classifier_may_differ=True)
+    return [str(w.message) for w in caught]
+
+
+def test_a_classifier_left_out_is_reported_with_both_sizes(checkpoints):
+    """The checkpoints' classifier has 1000 classes from 192 features; the model's what it was built with."""
+    path, weights = checkpoints['timm']
+    source = f'vit_tiny: the classifier of checkpoint {path} (posattn layout)'
+    ten = posattn.create_model('vit_tiny', num_classes=10)
+    assert loading_reporting(ten, path) == [f'{source} (1000 classes) is not loaded: the model has 10 classes']
+    assert torch.equal(ten.blocks[2].mlp.fc1.weight, weights['blocks.2.mlp.fc1.weight'])
+    headless = posattn.create_model('vit_tiny', num_classes=0)
+    assert loading_reporting(headless, path) == [
+        f'{source} (1000 classes) is not loaded: the model has no classifier (num_classes=0)']
+    narrow = posattn.create_model('vit_tiny')
+    narrow.head = torch.nn.Linear(96, 1000)  # the same classes over other features
+    assert loading_reporting(narrow, path) == [f'{source} (1000 classes, weight (1000, 192)) is not loaded: the '
+                                               f'model has 1000 classes, weight (1000, 96)']
+    assert loading_reporting(posattn.create_model('vit_tiny'), path) == []
+
+
+@needs_openmmlab
 def test_mmpretrain_options_posattn_lacks_are_reported(tmp_path):
     pre_norm = build_mmpretrain_deit(pre_norm=True).state_dict()
     with pytest.raises(ValueError, match=r'\(mmpretrain ViT layout\) does not fit vit_tiny:\n'
@@ -190,7 +226,8 @@ def test_mmpretrain_options_posattn_lacks_are_reported(tmp_path):
         posattn.create_model('vit_tiny', phi='peripheral', checkpoint=saved(tmp_path, {'state_dict': pre_norm}))
 
 
-@pytest.mark.parametrize('source', ['timm', 'mmpretrain', 'timm_safetensors'])
+@needs_openmmlab
+@pytest.mark.parametrize('source', sources('timm', 'mmpretrain', 'timm_safetensors'))
 def test_posattn_vit_pretrained_init_starts_the_phi_fresh(checkpoints, monkeypatch, source):
     from posattn_openmmlab import PosattnViT, backbones
     logged = []
@@ -215,6 +252,7 @@ def test_posattn_vit_pretrained_init_starts_the_phi_fresh(checkpoints, monkeypat
         PosattnViT(init_cfg=dict(type='Pretrained', checkpoint=str(path), revise_keys=[])).init_weights()
 
 
+@needs_openmmlab
 def test_docs_examples_run_and_show_the_report(tmp_path, monkeypatch, timm_deit):
     from mmengine.registry import MODELS
     from posattn_openmmlab import backbones
@@ -249,7 +287,7 @@ def resample_report(grid_size):
 
 
 @pytest.mark.parametrize('img_size,grid_size', [(384, (24, 24)), ((384, 256), (24, 16)), (160, (10, 10))])
-@pytest.mark.parametrize('source', ['timm', 'mmpretrain', 'timm_safetensors'])
+@pytest.mark.parametrize('source', sources('timm', 'mmpretrain', 'timm_safetensors'))
 def test_224_weights_load_into_a_model_of_another_size(checkpoints, source, img_size, grid_size):
     """The position embedding is resampled as timm resamples it; everything else loads as it is."""
     path, source_weights = checkpoints[source]
@@ -313,6 +351,7 @@ def test_resample_abs_pos_embed_is_timms():
         resample_abs_pos_embed(pos_embed, (5, 5), old_size=(10, 20))
 
 
+@needs_openmmlab
 @pytest.mark.parametrize('img_size,grid_size', [(384, (24, 24)), ((384, 256), (24, 16))])
 def test_posattn_vit_pretrained_init_resamples_the_pos_embed(checkpoints, monkeypatch, img_size, grid_size):
     from posattn_openmmlab import PosattnViT, backbones
@@ -394,6 +433,7 @@ def test_deit3_weights_in_a_model_without_layer_scale_name_the_fix(tmp_path, tim
         posattn.create_model('vit_small', depth=3, init_values=1e-6, checkpoint=deit)
 
 
+@needs_openmmlab
 def test_deit3_release_and_mmpretrain_layer_scale_load(tmp_path, timm_deit3):
     """The DeiT III release's names (``blocks.{i}.gamma_1``, renamed as timm's checkpoint_filter_fn
     does) and mmpretrain's layer scale (``attn.gamma1.weight``, ``ffn.gamma2.weight``)."""

@@ -37,8 +37,9 @@ from mmengine.model import BaseModule
 from mmengine.registry import MODELS
 from torch import nn
 
-from posattn.convert import is_mmpretrain_vit, mmpretrain_vit_to_posattn, to_posattn_layout, unwrap_state_dict
+from posattn.convert import to_posattn_layout
 from posattn.grid import TokenGrid
+from posattn.models.model_api import resolve_block_indices
 from posattn.models.pervit import PERVIT_ARCHS, PerViT
 from posattn.models.registry import load_pretrained
 from posattn.models.vit import VisionTransformer
@@ -47,7 +48,6 @@ from .checkpoint import load_checkpoint_file
 
 __all__ = ['PosattnPerViT', 'PosattnViT']
 
-StateDict = Dict[str, torch.Tensor]
 
 # mmpretrain's VisionTransformer arch names with its sizes, and 't' / 'tiny' for DeiT-T; 's' / 'small'
 # are DeiT-S here (timm's and posattn's ViT-S), where mmpretrain has a 768-wide, 8-block model.
@@ -84,16 +84,14 @@ def _resolve_arch(arch: Union[str, Mapping[str, Any]], arch_zoo: Mapping[str, Ma
 
 
 def _resolve_out_indices(out_indices: Union[int, Sequence[int]], num_blocks: int) -> Tuple[int, ...]:
-    """Block indices, negative ones counted from the end, checked and in the order given."""
+    """Block indices in the order given (OpenMMLab's convention: an int is one block's index, where
+    timm's ``indices`` take it as the last n blocks), negative ones counted from the end and checked
+    by :func:`posattn.models.model_api.resolve_block_indices`."""
     if isinstance(out_indices, int):
         out_indices = (out_indices,)
     if not isinstance(out_indices, Sequence) or not all(isinstance(i, int) for i in out_indices):
         raise TypeError(f'out_indices must be a block index or a sequence of them, got {out_indices!r}')
-    resolved = tuple(i + num_blocks if i < 0 else i for i in out_indices)
-    if not resolved or any(not 0 <= i < num_blocks for i in resolved):
-        raise ValueError(f'out_indices {tuple(out_indices)} must name blocks in 0..{num_blocks - 1} '
-                         f'(or -{num_blocks}..-1)')
-    return resolved
+    return tuple(resolve_block_indices(tuple(out_indices), num_blocks, name='out_indices'))
 
 
 def _check_out_type(out_type: str) -> str:
@@ -136,35 +134,13 @@ def _backbone_remedy(model_name: str) -> str:
     return f"use model.backbone.type='{backbone}' with arch='{arch}'"
 
 
-def _under_prefix(checkpoint: Any, prefix: str, path: str) -> Tuple[StateDict, str]:
-    """The weights under ``prefix`` (mmengine's ``Pretrained`` ``prefix``: the keys that start with
-    it, without it) in posattn's layout, and the layout they were in.
-
-    Under the prefix, e.g. ``'backbone.'`` of a classifier, lie: a posattn backbone's own weights
-    (``model.*``, as these backbones save them), an mmpretrain ``VisionTransformer``'s (its
-    classifier's ``backbone.``), or any layout :func:`posattn.convert.to_posattn_layout` reads.
-    """
-    state_dict = unwrap_state_dict(checkpoint)
-    selected = {key[len(prefix):]: value for key, value in state_dict.items() if key.startswith(prefix)}
-    if not selected:
-        starts = sorted({key.split('.')[0] + '.' for key in state_dict})
-        raise ValueError(f'no key of {path} starts with prefix {prefix!r}; its keys start with {starts[:8]}'
-                         + (' ...' if len(starts) > 8 else ''))
-    if all(key.startswith('model.') for key in selected):
-        return {key[len('model.'):]: value for key, value in selected.items()}, 'posattn backbone'
-    rebased = {'backbone.' + key: value for key, value in selected.items()}
-    if is_mmpretrain_vit(rebased):
-        return mmpretrain_vit_to_posattn(rebased), 'mmpretrain ViT'
-    return to_posattn_layout(selected)
-
-
 class _TokenBackbone(BaseModule):
     """What both backbones share: the forward over ``out_indices``, ``train(mode)`` keeping frozen
     parts frozen, ``get_layer_depth`` and the ``Pretrained`` init through posattn's conversion.
 
-    Subclasses build ``self.model`` (a posattn model with ``blocks``, ``norm``, ``iter_blocks``,
-    ``set_grad_checkpointing`` and ``group_matcher``), set ``out_indices``, ``out_type`` and
-    ``with_cp``, and define ``_embed`` (images -> tokens, grid) and ``_freeze_stages``.
+    Subclasses build ``self.model`` (a posattn model with ``blocks``, ``norm``, ``embed_tokens``,
+    ``iter_blocks``, ``set_grad_checkpointing`` and ``group_matcher``), set ``out_indices``,
+    ``out_type`` and ``with_cp``, and define ``_freeze_stages``.
     """
 
     model: Union[PerViT, VisionTransformer]
@@ -172,16 +148,13 @@ class _TokenBackbone(BaseModule):
     out_type: str
     with_cp: bool
 
-    def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, TokenGrid]:
-        raise NotImplementedError
-
     def _freeze_stages(self) -> None:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         """Images (B, 3, H, W) -> one output per ``out_indices``; the last block's goes through the
         final norm, as in the classifier. Blocks after the last one asked for are not run."""
-        tokens, grid = self._embed(x)
+        tokens, grid = self.model.embed_tokens(x)
         last = len(self.model.blocks) - 1
         outputs = {}
         for i, tokens in self.model.iter_blocks(tokens, grid, num_blocks=max(self.out_indices) + 1):
@@ -226,7 +199,8 @@ class _TokenBackbone(BaseModule):
         ``strict=False`` loads what fits and logs every key it skipped. A plain ViT / DeiT
         checkpoint leaves the Φp at its own initialisation (and a ``pos_embed=False`` backbone drops
         its ``pos_embed``), logged as one warning. The layout is recognised from the keys;
-        ``prefix`` selects the part of the checkpoint to read (:func:`_under_prefix`). Other
+        ``prefix`` selects the part of the checkpoint to read
+        (:func:`posattn.convert.to_posattn_layout`). Other
         ``init_cfg`` types go to mmengine's :class:`BaseModule` as usual.
         """
         cfg = self.init_cfg
@@ -249,13 +223,10 @@ class _TokenBackbone(BaseModule):
         # local files weights-only with mmengine's types allowed; URLs through mmengine's CheckpointLoader
         raw = load_checkpoint_file(checkpoint, map_location=cfg.get('map_location', 'cpu'))
         prefix = cfg.get('prefix')
-        if prefix is None:
-            where = checkpoint
-            state_dict, layout = to_posattn_layout(raw)
-        else:
-            prefix = prefix if prefix.endswith('.') else prefix + '.'  # as mmengine reads it
-            where = f'{checkpoint} under {prefix!r}'
-            state_dict, layout = _under_prefix(raw, prefix, checkpoint)
+        if prefix is not None and not prefix.endswith('.'):
+            prefix += '.'  # as mmengine reads it
+        where = checkpoint if prefix is None else f'{checkpoint} under {prefix!r}'
+        state_dict, layout = to_posattn_layout(raw, prefix=prefix, source=checkpoint)
         source = f'checkpoint {where} ({layout} layout)'
         skipped, fresh = load_pretrained(self.model, state_dict, source=source, target=name,
                                          strict=cfg.get('strict', True), ignore=('head.',), remedy=_backbone_remedy)
@@ -341,9 +312,6 @@ class PosattnPerViT(_TokenBackbone):
         self.with_cp = with_cp
         self.out_channels = [self.model.blocks[i].mlp.fc2.out_features for i in self.out_indices]
         self.train()
-
-    def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, TokenGrid]:
-        return self.model.stem(x)
 
     def _freeze_stages(self) -> None:
         if self.frozen_stages <= 0:
@@ -434,9 +402,6 @@ class PosattnViT(_TokenBackbone):
         self.with_cp = with_cp
         self.out_channels = [embed_dims] * len(self.out_indices)
         self.train()
-
-    def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, TokenGrid]:
-        return self.model.embed_tokens(x)
 
     def _freeze_stages(self) -> None:
         if self.frozen_stages <= 0:

@@ -22,7 +22,9 @@ things and keeps the rest of mmengine's Runner:
 * ``--resume`` without a path resumes from the newest checkpoint that reads completely: when the
   one ``last_checkpoint`` names is truncated or unreadable, the run says so and falls back to the
   next newest of the ``CheckpointHook``'s checkpoints. A path given explicitly is used as it is;
-  a damaged one is an error naming the file.
+  a damaged one is an error naming the file. The checkpoint found is read once: the search reads
+  it to know it is complete, and the resume loads what it read (:meth:`~PosattnRunner.resume_from`
+  takes one that a tool found before it built the runner).
 * A runner built for training (with mmengine's training parts: ``train_dataloader``,
   ``train_cfg``, ``optim_wrapper``) takes the work_dir's lock (:mod:`.work_dir_lock`, rank 0) in
   its constructor, before it writes anything (its log folder and config dump come after), and
@@ -41,7 +43,7 @@ Configs select it with ``runner_type = 'PosattnRunner'`` (every config in ``conf
 ``tools/train.py`` and ``tools/test.py`` build it. :func:`load_model_weights` is the loading step
 on its own, for tools that build a model without a runner (``tools/analyze.py``), and
 :func:`find_resumable_checkpoint` the choice ``--resume`` makes, for tools that decide before
-building one.
+building one (and hand what it read to :meth:`~PosattnRunner.resume_from`).
 """
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ from mmengine.model import is_model_wrapper
 from mmengine.registry import RUNNERS
 from mmengine.runner import Runner
 
-from posattn.convert import is_mmengine_checkpoint, mmengine_to_posattn, to_posattn_layout, without_cancelled_biases
+from posattn.convert import to_posattn_layout, unwrap_state_dict, without_cancelled_biases
 from posattn.models.registry import fitting_model, load_weights, state_dict_mismatch
 
 from .atomic import atomic_target
@@ -76,21 +78,18 @@ PARTIAL_LOAD_HINT = ('  to load only the weights that fit: --partial-load (tools
                      'partial_load = True in the config; every skipped key is then logged')
 
 
-def _posattn_model_in(checkpoint: Any) -> Tuple[Optional[str], str]:
-    """(the registered posattn model a checkpoint holds or None, its layout): for an mmengine
-    checkpoint, the model its ``backbone.model.*`` (and classifier) keys form."""
-    if not isinstance(checkpoint, Mapping):
-        return None, 'unknown'
-    if is_mmengine_checkpoint(checkpoint):
-        return fitting_model(mmengine_to_posattn(checkpoint, model_only=True)), 'mmengine'
-    state_dict, layout = to_posattn_layout(checkpoint)
-    return fitting_model(state_dict), layout
+def _posattn_model_in(state_dict: Mapping[str, Any]) -> Tuple[Optional[str], str]:
+    """(the registered posattn model a state_dict holds or None, its layout, as
+    :func:`posattn.convert.to_posattn_layout` recognises it): for an mmengine model's, the model its
+    ``backbone.model.*`` (and classifier) keys form."""
+    posattn_state_dict, layout = to_posattn_layout(state_dict, model_only=True)
+    return fitting_model(posattn_state_dict), layout
 
 
-def _mismatch_hints(model: torch.nn.Module, checkpoint: Any, source: str) -> List[str]:
-    """What the checkpoint is, next to what the model is, where posattn's models let us tell."""
-    found, layout = _posattn_model_in(checkpoint)
-    expected, _ = _posattn_model_in({'state_dict': model.state_dict()})
+def _mismatch_hints(model: torch.nn.Module, state_dict: Mapping[str, Any], source: str) -> List[str]:
+    """What the checkpoint's state_dict is, next to what the model is, where posattn's models let us tell."""
+    found, layout = _posattn_model_in(state_dict)
+    expected, _ = _posattn_model_in(model.state_dict())
     if found is not None and layout != 'mmengine':
         return [f"  it holds posattn's {found} in the {layout} layout, not a checkpoint of this model: to start "
                 f"the backbone from it, set model.backbone.init_cfg=dict(type='Pretrained', checkpoint='{source}')"]
@@ -104,7 +103,8 @@ def _mismatch_hints(model: torch.nn.Module, checkpoint: Any, source: str) -> Lis
 def load_model_weights(model: torch.nn.Module, checkpoint: Any, *, source: str, target: str,
                        partial: bool = False,
                        revise_keys: Sequence[Tuple[str, str]] = ((r'^module\.', ''),)) -> List[str]:
-    """Load a checkpoint's weights (its ``'state_dict'``, or the mapping itself) into ``model``.
+    """Load a checkpoint's weights (its ``'state_dict'`` as mmengine saves it, or any state_dict
+    :func:`posattn.convert.unwrap_state_dict` finds) into ``model``.
 
     Args:
         source: the checkpoint's name, for messages.
@@ -118,11 +118,11 @@ def load_model_weights(model: torch.nn.Module, checkpoint: Any, *, source: str, 
     Returns:
         The skipped keys, each with its reason (posattn's ``load_weights``); empty when all fit.
     """
-    state_dict = checkpoint
-    if isinstance(checkpoint, Mapping) and isinstance(checkpoint.get('state_dict'), Mapping):
-        state_dict = checkpoint['state_dict']
-    if not isinstance(state_dict, Mapping):
-        raise ValueError(f'checkpoint {source} holds a {type(state_dict).__name__}, not a state_dict')
+    try:
+        saved = unwrap_state_dict(checkpoint)
+    except TypeError:
+        raise ValueError(f'checkpoint {source} holds a {type(checkpoint).__name__}, not a state_dict') from None
+    state_dict = saved
     for pattern, replacement in revise_keys:
         state_dict = {re.sub(pattern, replacement, key): value for key, value in state_dict.items()}
     state_dict = without_cancelled_biases(state_dict)  # those of checkpoints from before they were dropped
@@ -130,12 +130,12 @@ def load_model_weights(model: torch.nn.Module, checkpoint: Any, *, source: str, 
         missing, _, wrong = state_dict_mismatch(model, state_dict)
         if len(missing) + len(wrong) == len(model.state_dict()):
             raise ValueError('\n'.join([f'checkpoint {source}: none of its weights fits {target}, so even a partial '
-                                        f'load would load nothing', *_mismatch_hints(model, checkpoint, source)]))
+                                        f'load would load nothing', *_mismatch_hints(model, saved, source)]))
     try:
         skipped = load_weights(model, state_dict, source=f'checkpoint {source}', target=target, strict=not partial,
                                remedy=None)  # what the checkpoint holds: _mismatch_hints, for configs
     except ValueError as error:
-        hints = _mismatch_hints(model, checkpoint, source)
+        hints = _mismatch_hints(model, saved, source)
         raise ValueError('\n'.join([str(error), *hints, PARTIAL_LOAD_HINT])) from None
     if skipped:
         print_log(f'Partial load of checkpoint {source} into {target}: {len(skipped)} keys skipped, left as '
@@ -156,34 +156,63 @@ def periodic_checkpoints(folder: str, filename_templates: Sequence[str]) -> List
     return [path for _, path in sorted(found, reverse=True)]
 
 
+def _file_id(path: str) -> Optional[Tuple[int, int, int]]:
+    """(inode, size, modification time in ns) of ``path``, which tell whether it is still the file it
+    was; None when it cannot be read."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
 class ResumePoint(NamedTuple):
     """What :func:`find_resumable_checkpoint` found."""
     path: Optional[str]  # the checkpoint to resume from; None when none reads completely
     folder: str  # where the checkpoints are
     damaged: List[str]  # the newer candidates that did not read, each with its error, newest first
-    checkpoint: Any  # path's contents (None for remote storage, which is not read here)
+    checkpoint: Any  # path's contents, read onto the CPU (None for remote storage, which is not read here)
+    file_id: Optional[Tuple[int, int, int]] = None  # path's _file_id when it was read (None for remote storage)
 
 
-def find_resumable_checkpoint(work_dir: str, filename_templates: Sequence[str]) -> ResumePoint:
-    """What ``--resume`` without a path resumes from: the checkpoint ``last_checkpoint`` names when
-    it reads completely, else the newest periodic checkpoint (by ``filename_templates``) that does."""
+def _resume_candidates(work_dir: str, filename_templates: Sequence[str]) -> Tuple[str, List[str]]:
+    """(the folder of the checkpoints, those ``--resume`` without a path tries, in order): the one
+    ``last_checkpoint`` names, then the periodic ones (by ``filename_templates``), newest first. A
+    ``last_checkpoint`` on remote storage is the only candidate."""
     pointer = os.path.join(work_dir, 'last_checkpoint')  # what mmengine's find_latest_checkpoint reads
     latest = None
     if os.path.isfile(pointer):
         with open(pointer) as f:
             latest = f.read().strip() or None  # a pointer that a killed plain CheckpointHook emptied
     if latest is not None and '://' in latest:
-        return ResumePoint(latest, os.path.dirname(latest), [], None)  # remote storage: mmengine reads it
+        return os.path.dirname(latest), [latest]
     folder = os.path.dirname(latest) if latest else work_dir
-    candidates = ([latest] if latest else []) + [p for p in periodic_checkpoints(folder, filename_templates)
-                                                 if p != latest]
+    return folder, ([latest] if latest else []) + [p for p in periodic_checkpoints(folder, filename_templates)
+                                                   if p != latest]
+
+
+def find_resumable_checkpoint(work_dir: str, filename_templates: Sequence[str]) -> ResumePoint:
+    """What ``--resume`` without a path resumes from: the checkpoint ``last_checkpoint`` names when
+    it reads completely, else the newest periodic checkpoint (by ``filename_templates``) that does."""
+    folder, candidates = _resume_candidates(work_dir, filename_templates)
+    if candidates and '://' in candidates[0]:
+        return ResumePoint(candidates[0], folder, [], None)  # remote storage: mmengine reads it
     damaged = []
     for path in candidates:
+        file_id = _file_id(path)  # before reading: a file replaced meanwhile then differs from it
         try:
-            return ResumePoint(path, folder, damaged, load_checkpoint_file(path, map_location='cpu'))
+            return ResumePoint(path, folder, damaged, load_checkpoint_file(path, map_location='cpu'), file_id)
         except (OSError, ValueError, pickle.UnpicklingError) as error:
             damaged.append(f'{path} ({type(error).__name__}: {error})')
     return ResumePoint(None, folder, damaged, None)
+
+
+def _still_newest(point: ResumePoint, work_dir: str, filename_templates: Sequence[str]) -> bool:
+    """Whether ``point``, found earlier, is what :func:`find_resumable_checkpoint` would find now
+    without reading anything: its file, unchanged, is still the first candidate."""
+    _, candidates = _resume_candidates(work_dir, filename_templates)
+    return (point.checkpoint is not None and point.file_id is not None and candidates[:1] == [point.path]
+            and _file_id(point.path) == point.file_id)
 
 
 @RUNNERS.register_module()
@@ -195,6 +224,8 @@ class PosattnRunner(Runner):
 
     def __init__(self, *args, **kwargs):
         self._work_dir_lock: Optional[WorkDirLock] = None
+        # the checkpoint --resume found, read: held from the search (or resume_from) until it is loaded
+        self._resume_point: Optional[ResumePoint] = None
         try:
             with posattn_checkpoint_loading():  # building the model may load init_cfg checkpoints
                 super().__init__(*args, **kwargs)
@@ -280,17 +311,34 @@ class PosattnRunner(Runner):
             self._work_dir_lock.release()
             self._work_dir_lock = None
 
+    def resume_from(self, point: ResumePoint) -> None:
+        """Resume, when the run starts, from ``point``: what :func:`find_resumable_checkpoint` found in
+        this runner's work_dir before the runner was built (``tools/train.py`` reads it to check the
+        run's settings), loading the checkpoint it read instead of reading the file again. Should
+        another training have written a newer checkpoint meanwhile, or replaced that file, the run
+        searches the work_dir again, as ``--resume`` without a path does."""
+        self._resume, self._load_from = True, None
+        self._resume_point = point
+
     def load_or_resume(self) -> None:
-        if not self._has_loaded and self._resume and self._load_from is None:
-            self._load_from = self._newest_complete_checkpoint()
-            self._resume = self._load_from is not None
-        super().load_or_resume()
+        try:
+            if not self._has_loaded and self._resume and self._load_from is None:
+                self._load_from = self._newest_complete_checkpoint()
+                self._resume = self._load_from is not None
+            super().load_or_resume()
+        finally:
+            self._resume_point = None  # loaded, or not wanted: a checkpoint is large
 
     def _newest_complete_checkpoint(self) -> Optional[str]:
         """What ``--resume`` without a path resumes from (:func:`find_resumable_checkpoint` with the
-        ``CheckpointHook``'s file names), said in the log; None when there is no checkpoint."""
+        ``CheckpointHook``'s file names, or the point given to :meth:`resume_from` while it is still
+        the newest), said in the log; None when there is no checkpoint. What it read is kept for
+        :meth:`load_checkpoint`."""
         templates = [hook.filename_tmpl for hook in self.hooks if isinstance(hook, CheckpointHook)]
-        path, folder, damaged, _ = find_resumable_checkpoint(self.work_dir, templates)
+        given = self._resume_point
+        if given is None or not _still_newest(given, self.work_dir, templates):
+            self._resume_point = find_resumable_checkpoint(self.work_dir, templates)
+        path, folder, damaged = self._resume_point.path, self._resume_point.folder, self._resume_point.damaged
         if path is not None and damaged:
             self.logger.warning(f'Cannot resume from the latest checkpoint: {damaged[0]}. Resuming from {path}, '
                                 f'the newest complete checkpoint in {folder}'
@@ -310,10 +358,15 @@ class PosattnRunner(Runner):
         """Read ``filename`` weights-only (:func:`~.checkpoint.load_checkpoint_file`) and load its
         weights into the model through :func:`load_model_weights`.
 
+        The checkpoint that ``--resume`` without a path found (:meth:`_newest_complete_checkpoint`,
+        :meth:`resume_from`) is not read again: it is loaded as the search read it, onto the CPU,
+        whatever ``map_location``; the model copies the weights onto its own device and the
+        optimiser moves its state to its parameters'.
+
         ``strict=None`` (what ``load_from``, ``resume`` and ``tools/test.py`` use) follows the
         config: strict unless ``partial_load = True``. Returns the checkpoint, as mmengine's does.
         """
-        checkpoint = load_checkpoint_file(filename, map_location=map_location)
+        checkpoint = self._read_checkpoint(filename, map_location)
         self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
         model = self.model.module if is_model_wrapper(self.model) else self.model
         partial = bool(self.cfg.get('partial_load', False)) if strict is None else not strict
@@ -323,6 +376,13 @@ class PosattnRunner(Runner):
         self._has_loaded = True
         self.logger.info(f'Load checkpoint from {filename}')
         return checkpoint
+
+    def _read_checkpoint(self, filename: str, map_location: Any) -> Any:
+        """``filename``'s contents: those the resume search read, handed over once, else the file's."""
+        found, self._resume_point = self._resume_point, None
+        if found is not None and found.path == filename and found.checkpoint is not None:
+            return found.checkpoint
+        return load_checkpoint_file(filename, map_location=map_location)
 
     @master_only
     def save_checkpoint(self, out_dir: str, filename: str, file_client_args: Optional[dict] = None,

@@ -2,7 +2,7 @@
 
 Every module of this package is imported here, so a new model file registers itself with
 ``@register_model('name')`` and nothing else needs to change. timm learns of the models only when
-asked (:func:`register_timm_models`, :mod:`posattn.models.in_timm`).
+asked (:func:`register_timm_models`, :mod:`posattn.models.timm_registration`).
 """
 import importlib
 import importlib.util
@@ -11,7 +11,7 @@ from typing import List
 
 from .registry import create_model, list_models, register_model
 
-_TIMM_REGISTRATION = 'in_timm'  # imports timm; loaded by register_timm_models only
+_TIMM_REGISTRATION = 'timm_registration'  # imports timm; loaded by register_timm_models only
 
 for _module in pkgutil.iter_modules(__path__):
     if _module.name != _TIMM_REGISTRATION:

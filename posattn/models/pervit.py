@@ -27,11 +27,10 @@ norms and MLP always see the whole grid.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, Iterator, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from einops import rearrange
 from torch import nn
 
@@ -41,7 +40,8 @@ from ..phi.peg import PositionEncodingGenerator
 from ..phi.none import NoPosition
 from ..phi.peripheral import EMBEDDINGS, PeripheralPhi, random_init_
 from ..window import GridWindows
-from .layers import ClassifierApi, DropPath, Mlp, take_indices
+from .blocks import DropPath, Mlp, init_linear_layers
+from .model_api import BlockStackApi, ClassifierApi, tokens_as_map
 from .registry import create_from_arch, register_model
 
 __all__ = ['PerViT', 'PerViTBlock', 'ConvStem', 'PatchStem', 'PERVIT_ARCHS', 'pervit_tiny', 'pervit_small',
@@ -168,7 +168,7 @@ class PerViTBlock(nn.Module):
         return f'window_size={self.window_size}'
 
 
-class PerViT(ClassifierApi, nn.Module):
+class PerViT(ClassifierApi, BlockStackApi, nn.Module):
     """Peripheral Vision Transformer: conv stem, columnar blocks with peripheral attention, GAP head.
 
     Args:
@@ -285,21 +285,18 @@ class PerViT(ClassifierApi, nn.Module):
     def init_weights(self) -> None:
         """The release's: truncated normal (std 0.02, zero bias) for every Linear (qkv, proj, MLP,
         res, head); PyTorch's defaults for the convolutions and norms; each Φp keeps its own."""
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.trunc_normal_(module.weight, std=0.02)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+        init_linear_layers(self)
 
-    def iter_blocks(self, x: torch.Tensor, grid: TokenGrid, num_blocks: Optional[int] = None):
-        """Runs the first ``num_blocks`` blocks (all by default), yielding (block index, tokens) after each."""
+    def embed_tokens(self, x: torch.Tensor) -> Tuple[torch.Tensor, TokenGrid]:
+        """Images (B, 3, H, W) -> the first block's input (B, h*w, C0) and its grid (the stem's)."""
+        return self.stem(x)
+
+    def iter_blocks(self, x: torch.Tensor, grid: TokenGrid,
+                    num_blocks: Optional[int] = None) -> Iterator[Tuple[int, torch.Tensor]]:
+        """Runs the first ``num_blocks`` blocks (all by default), yielding (block index, tokens) after
+        each, once every Φp reads this model's distance embedding (:meth:`_share_distance_embedding`)."""
         self._share_distance_embedding()
-        for i, block in enumerate(self.blocks[:num_blocks]):
-            if self.grad_checkpointing and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, grid, use_reentrant=False)
-            else:
-                x = block(x, grid)
-            yield i, x
+        return super().iter_blocks(x, grid, num_blocks)
 
     def _share_distance_embedding(self) -> None:
         """Every peripheral Φp reads this model's distance embedding. A copy that rewires only
@@ -313,40 +310,14 @@ class PerViT(ClassifierApi, nn.Module):
             if isinstance(phi, PeripheralPhi) and phi.distance_embedding is not embedding:
                 phi.share_distance_embedding(embedding)
 
-    def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, Sequence[int]]] = None,
-                              norm: bool = False, stop_early: bool = False, output_fmt: str = 'NCHW',
-                              intermediates_only: bool = False):
-        """The outputs of the blocks ``indices`` (timm's convention: None all, n the last n, or a
-        list), in block order: (B, C_i, h, w) for ``output_fmt='NCHW'``, (B, h*w, C_i) for 'NLC'.
-        With ``norm``, the last block's output goes through the final norm (as in timm's
-        hierarchical models: the norm belongs to the last stage's output).
+    def _as_features(self, tokens: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
+        """``forward_features`` returns the final normalised map (B, C, ceil(H/16), ceil(W/16))."""
+        return tokens_as_map(tokens, grid)
 
-        Returns the list alone with ``intermediates_only``, else (the final normalised map, as
-        ``forward_features`` gives it, and the list); ``stop_early`` runs no block after the last
-        one asked for. One loop for every caller: the OpenMMLab backbone uses it too.
-        """
-        if output_fmt not in ('NCHW', 'NLC'):
-            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
-        wanted = take_indices(len(self.blocks), indices)
-        x, grid = self.stem(x)
-        last = wanted[-1] + 1 if stop_early or intermediates_only else None
-        intermediates = []
-        for i, x in self.iter_blocks(x, grid, last):
-            if i in wanted:
-                y = self.norm(x) if norm and i == len(self.blocks) - 1 else x
-                intermediates.append(self._as_map(y, grid) if output_fmt == 'NCHW' else y)
-        return intermediates if intermediates_only else (self._as_map(self.norm(x), grid), intermediates)
-
-    @staticmethod
-    def _as_map(tokens: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
-        return rearrange(tokens, 'b (h w) c -> b c h w', h=grid.height, w=grid.width)
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Images (B, 3, H, W) -> the final normalised map (B, C, ceil(H/16), ceil(W/16))."""
-        x, grid = self.stem(x)
-        for _, x in self.iter_blocks(x, grid):
-            pass
-        return self._as_map(self.norm(x), grid)
+    def _norm_intermediate(self, index: int, tokens: torch.Tensor) -> torch.Tensor:
+        """With ``norm=True`` the last block's output goes through the final norm, the others stay as
+        they are (timm's hierarchical models: the norm belongs to the last stage's output)."""
+        return self.norm(tokens) if index == len(self.blocks) - 1 else tokens
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """(B, C, h, w) -> logits (B, num_classes): global average pooling, then the classifier; with
@@ -354,21 +325,6 @@ class PerViT(ClassifierApi, nn.Module):
         if self.global_pool == 'avg':
             x = x.mean(dim=(-2, -1))
         return x if pre_logits else self.head(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
-
-    def prune_intermediate_layers(self, indices: Union[int, Sequence[int]] = 1, prune_norm: bool = False,
-                                  prune_head: bool = True) -> List[int]:
-        """Drop the blocks after the last of ``indices``, and optionally the final norm and the
-        classifier (then ``forward_head`` passes the map through); returns the indices."""
-        wanted = take_indices(len(self.blocks), indices)
-        self.blocks = self.blocks[:wanted[-1] + 1]
-        if prune_norm:
-            self.norm = nn.Identity()
-        if prune_head:
-            self.reset_classifier(0, '')
-        return wanted
 
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:

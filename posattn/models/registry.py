@@ -85,10 +85,10 @@ def create_model(name: str, checkpoint: Optional[Union[str, os.PathLike]] = None
         builder = _MODELS[name]
     except (KeyError, TypeError):
         raise ValueError(f'unknown model {name!r}; known: {", ".join(list_models()) or "none"}') from None
-    state_dict = read_checkpoint(checkpoint) if checkpoint is not None else None
+    contents = read_checkpoint(checkpoint) if checkpoint is not None else None
     model = builder(**kwargs)
-    if state_dict is not None:
-        _load_read_checkpoint(model, state_dict, os.fspath(checkpoint), target=name)
+    if contents is not None:
+        _load_read_checkpoint(model, contents, os.fspath(checkpoint), target=name)
     return model
 
 
@@ -98,27 +98,44 @@ def load_checkpoint(model: nn.Module, checkpoint: Union[str, os.PathLike], *, ta
     weights-only, strictly, a plain ViT's weights leaving the Φp fresh, with a warning).
 
     With ``classifier_may_differ`` (timm's convention for pretrained weights) a classifier whose
-    size is not the model's is left out, with a warning, instead of failing.
+    size is not the model's is left out, with a warning that gives both sizes, instead of failing.
     """
     _load_read_checkpoint(model, read_checkpoint(checkpoint), os.fspath(checkpoint), target=target,
                           classifier_may_differ=classifier_may_differ)
 
 
-def _load_read_checkpoint(model: nn.Module, state_dict: Mapping[str, Any], path: str, *, target: str,
+def _load_read_checkpoint(model: nn.Module, contents: Any, path: str, *, target: str,
                           classifier_may_differ: bool = False) -> None:
-    state_dict, layout = to_posattn_layout(state_dict)
+    """Load ``contents``, the checkpoint read from ``path`` (any layout
+    :func:`posattn.convert.to_posattn_layout` recognises), into ``model``."""
+    state_dict, layout = to_posattn_layout(contents)
     source = f'checkpoint {path} ({layout} layout)'
     ignore: Tuple[str, ...] = ()
     head = getattr(model, 'head', None)
-    if classifier_may_differ and 'head.weight' in state_dict and (
-            not isinstance(head, nn.Linear) or tuple(head.weight.shape) != tuple(state_dict['head.weight'].shape)):
+    found = tuple(state_dict['head.weight'].shape) if 'head.weight' in state_dict else None
+    if classifier_may_differ and found is not None and (
+            not isinstance(head, nn.Linear) or tuple(head.weight.shape) != found):
         ignore = ('head.',)
-        outputs = head.out_features if isinstance(head, nn.Linear) else 0
-        warnings.warn(f'{target}: the classifier of {source} ({state_dict["head.weight"].shape[0]} classes) is not '
-                      f'loaded: the model has {outputs}', stacklevel=3)
+        theirs, ours = _classifier_sizes(found, head)
+        warnings.warn(f'{target}: the classifier of {source} ({theirs}) is not loaded: the model has {ours}',
+                      stacklevel=3)
     _, report = load_pretrained(model, state_dict, source=source, target=target, ignore=ignore)
     if report is not None:
         warnings.warn(report, stacklevel=3)
+
+
+def _classifier_sizes(found: Tuple[int, ...], head: Optional[nn.Module]) -> Tuple[str, str]:
+    """(a checkpoint's classifier, whose weight has the shape ``found``, the model's ``head``) in
+    words: '1000 classes' and '10 classes'; with the weights' shapes where the numbers of classes are
+    the same; 'no classifier (num_classes=0)' for a model without one."""
+    classes = found[0]
+    if head is None or isinstance(head, nn.Identity):
+        return f'{classes} classes', 'no classifier (num_classes=0)'
+    if not isinstance(head, nn.Linear):
+        return f'{classes} classes', f'a {type(head).__name__} as its head, not a linear classifier'
+    if head.out_features != classes:
+        return f'{classes} classes', f'{head.out_features} classes'
+    return f'{classes} classes, weight {found}', f'{head.out_features} classes, weight {tuple(head.weight.shape)}'
 
 
 @functools.lru_cache(maxsize=None)

@@ -24,18 +24,17 @@ DeiT III (Touvron et al. 2022, timm's ``deit3_*``) is two options away, with tim
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
-from einops import rearrange
 from torch import nn
 
 from ..attention import Attention
 from ..grid import TokenGrid
 from ..phi import PositionalModule, build_layer_phi, build_phi
-from .layers import ClassifierApi, DropPath, Mlp, PatchEmbed, take_indices
+from .blocks import DropPath, Mlp, PatchEmbed, init_linear_layers
+from .model_api import BlockStackApi, ClassifierApi
 from .pos_embed import resample_abs_pos_embed
 from .registry import create_from_arch, register_model
 
@@ -95,21 +94,7 @@ class Block(nn.Module):
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
 
-def _init_linear_layers(module: nn.Module) -> None:
-    """timm's ViT init (truncated normal 0.02, zero bias) for every Linear outside a Φp, whose
-    own initialisation (zero iRPE tables, PerViT's per-layer norms) is part of its definition."""
-    for child in module.children():
-        if isinstance(child, PositionalModule):
-            continue
-        if isinstance(child, nn.Linear):
-            nn.init.trunc_normal_(child.weight, std=0.02)
-            if child.bias is not None:
-                nn.init.zeros_(child.bias)
-        else:
-            _init_linear_layers(child)
-
-
-class VisionTransformer(ClassifierApi, nn.Module):
+class VisionTransformer(ClassifierApi, BlockStackApi, nn.Module):
     """ViT / DeiT with a pluggable Φp in every attention layer.
 
     Args:
@@ -203,7 +188,7 @@ class VisionTransformer(ClassifierApi, nn.Module):
             nn.init.trunc_normal_(self.pos_embed, std=0.02)
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=1e-6)
-        _init_linear_layers(self)
+        init_linear_layers(self)
 
     def embed_tokens(self, x: torch.Tensor) -> Tuple[torch.Tensor, TokenGrid]:
         """Images (B, C, H, W) -> the first block's input (B, prefix + h*w, embed_dim) and its grid."""
@@ -225,25 +210,14 @@ class VisionTransformer(ClassifierApi, nn.Module):
             x = x + resample_abs_pos_embed(self.pos_embed, hw, self.grid_size, self.num_prefix_tokens)
         return self.pos_drop(x), grid
 
-    def iter_blocks(self, x: torch.Tensor, grid: TokenGrid,
-                    num_blocks: Optional[int] = None) -> Iterator[Tuple[int, torch.Tensor]]:
-        """Runs the first ``num_blocks`` blocks (all by default), each followed by its PEG if it has
-        one, yielding (block index, tokens) after each."""
-        for i, block in enumerate(self.blocks[:num_blocks]):
-            if self.grad_checkpointing and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, grid, use_reentrant=False)
-            else:
-                x = block(x, grid)
-            if str(i) in self.pegs:
-                x = self.pegs[str(i)](x, grid)
-            yield i, x
+    def _after_block(self, index: int, x: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
+        """Block ``index``'s output through the PEG that follows it, if it has one."""
+        key = str(index)
+        return self.pegs[key](x, grid) if key in self.pegs else x
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Images (B, C, H, W) -> normalised tokens (B, prefix + h*w, embed_dim)."""
-        x, grid = self.embed_tokens(x)
-        for _, x in self.iter_blocks(x, grid):
-            pass
-        return self.norm(x)
+    def _as_features(self, tokens: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
+        """``forward_features`` returns the normalised tokens (B, prefix + h*w, embed_dim) as they are."""
+        return tokens
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Normalised tokens (B, N, C) -> logits (B, num_classes), or with ``pre_logits`` the pooled
@@ -260,42 +234,23 @@ class VisionTransformer(ClassifierApi, nn.Module):
         """The outputs of the blocks ``indices`` (timm's convention: None all, n the last n, or a
         list), in block order, after the block's PEG if it has one; with ``norm`` through the
         final norm. Each is (B, C, h, w) for ``output_fmt='NCHW'`` or (B, h*w, C) for 'NLC', the
-        prefix tokens left out, or paired with them (B, prefix, C) with ``return_prefix_tokens``.
+        prefix tokens left out, or paired with them (B, prefix, C) with ``return_prefix_tokens``
+        (timm's ViT signature).
 
         Returns the list alone with ``intermediates_only``, else (the final normalised tokens, the
         list); ``stop_early`` runs no block after the last one asked for.
         """
-        if output_fmt not in ('NCHW', 'NLC'):
-            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
-        wanted = take_indices(len(self.blocks), indices)
-        x, grid = self.embed_tokens(x)
-        last = wanted[-1] + 1 if stop_early or intermediates_only else None
-        intermediates = []
-        for i, x in self.iter_blocks(x, grid, num_blocks=last):
-            if i in wanted:
-                intermediates.append(self._intermediate(self.norm(x) if norm else x, grid, output_fmt,
-                                                        return_prefix_tokens))
-        return intermediates if intermediates_only else (self.norm(x), intermediates)
+        return self._forward_intermediates(x, indices, norm, stop_early, output_fmt, intermediates_only,
+                                           return_prefix_tokens)
 
-    @staticmethod
-    def _intermediate(tokens: torch.Tensor, grid: TokenGrid, output_fmt: str, return_prefix_tokens: bool):
-        prefix, spatial = tokens.split([grid.num_prefix_tokens, grid.height * grid.width], dim=1)
-        if output_fmt == 'NCHW':
-            spatial = rearrange(spatial, 'b (h w) c -> b c h w', h=grid.height, w=grid.width)
-        return (spatial, prefix) if return_prefix_tokens else spatial
+    def _norm_intermediate(self, index: int, tokens: torch.Tensor) -> torch.Tensor:
+        """Every block's output goes through the final norm with ``norm=True`` (timm's ViT)."""
+        return self.norm(tokens)
 
-    def prune_intermediate_layers(self, indices: Union[int, Sequence[int]] = 1, prune_norm: bool = False,
-                                  prune_head: bool = True) -> List[int]:
-        """Drop the blocks (and PEGs) after the last of ``indices``, and optionally the final norm
-        and the classifier (then ``forward_head`` passes tokens through); returns the indices."""
-        wanted = take_indices(len(self.blocks), indices)
-        self.blocks = self.blocks[:wanted[-1] + 1]
-        self.pegs = nn.ModuleDict({i: peg for i, peg in self.pegs.items() if int(i) <= wanted[-1]})
-        if prune_norm:
-            self.norm = nn.Identity()
-        if prune_head:
-            self.reset_classifier(0, '')
-        return wanted
+    def _keep_blocks(self, num_blocks: int) -> None:
+        """The first ``num_blocks`` blocks and the PEGs after them."""
+        super()._keep_blocks(num_blocks)
+        self.pegs = nn.ModuleDict({i: peg for i, peg in self.pegs.items() if int(i) < num_blocks})
 
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
@@ -308,9 +263,6 @@ class VisionTransformer(ClassifierApi, nn.Module):
         embeddings first, then each block with the PEG that follows it, then the final norm."""
         return dict(stem=r'^cls_token|^pos_embed|^patch_embed',
                     blocks=[(r'^(?:blocks|pegs)\.(\d+)', None), (r'^norm', (99999,))])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
 
 
 # DeiT's sizes by arch; all have depth 12, patch 16 and MLP ratio 4 (the constructor's defaults).
