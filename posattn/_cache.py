@@ -42,7 +42,9 @@ def _all_plain(value: Any) -> bool:
 
 
 def _cacheable_context() -> bool:
-    return not torch.compiler.is_compiling()
+    """Not while a compiler or ``torch.jit.trace`` records the computation: the recording must
+    compute the constant, not read what an earlier call left."""
+    return not (torch.compiler.is_compiling() or torch.jit.is_tracing())
 
 
 def tensor_bytes(value: Any) -> int:

@@ -160,7 +160,10 @@ class Attention(nn.Module):
     def _check_memory(self, q: torch.Tensor, grid: TokenGrid) -> None:
         """Fail before the work when the (heads, N, N) terms this call needs cannot fit: a
         positional bias (and its computation, about as large again), and the attention
-        probabilities (B, heads, N, N) where they are materialised."""
+        probabilities (B, heads, N, N) where they are materialised. A traced call (``torch.compile``,
+        ``torch.export``) checks nothing: its sizes may be symbolic, and the check would fix them."""
+        if torch.compiler.is_compiling():
+            return
         batch, heads, tokens, _ = q.shape
         pair_terms = 2 if self.phi.gives_logits_bias else 0
         if self._materialises_probabilities():

@@ -45,9 +45,9 @@ def in_container(backbone):
 
 
 def swin_family():
-    """mmdet's Swin family, a module of its own that registers itself with posattn_openmmlab."""
-    return pytest.importorskip('posattn_openmmlab.swap_mmdet_swin',
-                               reason="mmdet's SwinTransformer family (posattn_openmmlab.swap_mmdet_swin) is absent")
+    """The OpenMMLab Swin families, a module of its own that registers itself with posattn_openmmlab."""
+    return pytest.importorskip('posattn_openmmlab.swap_swin',
+                               reason="the OpenMMLab SwinTransformer families (posattn_openmmlab.swap_swin) are absent")
 
 
 # ---------------------------------------------------------------- the families

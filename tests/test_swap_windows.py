@@ -14,7 +14,7 @@ from posattn.phi.peripheral import peripheral_init
 from posattn.swap import SwappedAttention, swap_attention
 from posattn.swap.timm_swin import TimmWindowAttention
 from posattn.swap.torchvision_swin import TorchvisionWindowAttention
-from posattn.swap.windows import WindowTableAttention
+from posattn.swap.window_tables import WindowTableAttention
 
 timm = pytest.importorskip('timm')
 tv_swin = pytest.importorskip('torchvision.models.swin_transformer')

@@ -50,6 +50,45 @@ def test_grid_windows_errors():
         GridWindows(TokenGrid(4, 4, 1), 2)
     with pytest.raises(ValueError, match='got 15 tokens for a 4x4 grid'):
         GridWindows(TokenGrid(4, 4), 2).partition(torch.randn(1, 15, 3))
+    with pytest.raises(ValueError, match=r'window_size must be a \(height, width\) pair of positive ints, '
+                                         r'got \(3, 0\)'):
+        GridWindows(TokenGrid(4, 4), (3, 0))
+    with pytest.raises(ValueError, match=r'0 <= shift < the window side, for 2x3 windows got \(2, 1\)'):
+        GridWindows(TokenGrid(4, 4), (2, 3), shift=(2, 1))
+
+
+def coordinates(height, width):
+    """(1, H*W, 2): each token's (row, col) + 1, so that zero padding tells itself apart."""
+    rows, cols = torch.meshgrid(torch.arange(height), torch.arange(width), indexing='ij')
+    return torch.stack([rows, cols], -1).reshape(1, height * width, 2).double() + 1
+
+
+def test_shifted_windows_roll_the_map_and_mark_the_pairs_the_roll_wraps_around():
+    """Swin's shifted windows on a 6 x 8 grid, 3 x 4 windows rolled by (1, 2): the first window
+    starts at (1, 2); within a window two tokens are of one region unless the roll brought one of
+    them from the other end of the map along a side."""
+    windows = GridWindows(TokenGrid(6, 8), (3, 4), shift=(1, 2))
+    x = coordinates(6, 8)
+    parts = windows.partition(x)  # (4, 12, 2)
+    assert (windows.window_grid, windows.padded, parts.shape) == (TokenGrid(3, 4), False, (4, 12, 2))
+    torch.testing.assert_close(windows.merge(parts), x, rtol=0, atol=0)
+    assert parts[0, 0].tolist() == [2, 3] and parts[3, -1].tolist() == [1, 2]  # (1, 2), then (0, 1) wrapped
+    grid_rows, grid_cols = (parts - 1).unbind(-1)  # (4, 12) each
+    wrapped = (grid_rows < 1).long() + 2 * (grid_cols < 2).long()  # which sides the roll wrapped it around
+    expected = wrapped[:, :, None] != wrapped[:, None, :]
+    assert torch.equal(windows.shift_mask(), expected) and expected[0].sum() == 0 and expected[3].any()
+    assert GridWindows(TokenGrid(6, 8), (3, 4)).shift_mask() is None
+
+
+def test_shifted_windows_of_a_padded_grid_mask_the_padding_where_the_roll_put_it():
+    windows = GridWindows(TokenGrid(5, 7), 3, shift=(1, 1))
+    x = coordinates(5, 7).expand(2, -1, -1)
+    parts = windows.partition(x)
+    torch.testing.assert_close(windows.merge(parts), x, rtol=0, atol=0)
+    real = parts.ne(0).any(-1)  # (2 * 6, 9)
+    assert torch.equal(windows.key_mask(2), real)
+    # the last window holds rolled rows 3..5, cols 6..8: grid rows 4, 5 (padding), 0 and cols 7, 8 (padding), 0
+    assert real[5].view(3, 3).tolist() == [[False, False, True], [False, False, False], [False, False, True]]
 
 
 @pytest.mark.parametrize('bias_shape', [(1, 2, 6, 6), (3, 2, 6, 6), None])

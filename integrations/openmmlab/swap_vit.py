@@ -21,7 +21,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from posattn.swap import AttentionSite, SwapPlan, SwappedAttention, register_family
+from posattn.swap import AttentionSite, SwapPlan, register_family
+from posattn.swap.core import SwappedAttention, packs_self_attention
 from posattn.swap.core import described, imported
 
 __all__ = ['MMPretrainAttention', 'MMCVAttention', 'mmpretrain_vision_transformer', 'mmseg_vision_transformer']
@@ -37,10 +38,7 @@ class MMPretrainAttention(SwappedAttention):
         self.attn_drop.p = old.attn_drop  # a probability there, a Dropout here
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        grid = self.grid_of(x, self.current_grid())
-        q, k, v = self.split_heads(self.qkv(self.phi.tokens(x, grid)))
-        out = self.proj(self.attend(q, k, v, grid))
-        return self.out_drop(self.gamma1(self.proj_drop(out)))
+        return self.out_drop(self.gamma1(self.attention_output(x)))
 
 
 class MMCVAttention(SwappedAttention):
@@ -49,10 +47,7 @@ class MMCVAttention(SwappedAttention):
     (``dropout_layer`` is the layer's stochastic depth or an identity)."""
 
     def take_over(self, old: nn.Module) -> None:
-        inner = old.attn
-        self.qkv.weight, self.qkv.bias = inner.in_proj_weight, inner.in_proj_bias
-        self.proj.weight, self.proj.bias = inner.out_proj.weight, inner.out_proj.bias
-        self.attn_drop.p = inner.dropout
+        self.take_multihead(old.attn)
         self.take(old, 'proj_drop', 'dropout_layer')
 
     def forward(self, query: torch.Tensor, key: Optional[torch.Tensor] = None, value: Optional[torch.Tensor] = None,
@@ -63,10 +58,8 @@ class MMCVAttention(SwappedAttention):
         if given:
             raise ValueError(f'a swapped attention takes no positional inputs or masks (the Φp is its '
                              f'positional term); got {given}')
-        grid = self.grid_of(query, self.current_grid(identity))
-        q, k, v = self.split_heads(self.qkv(self.phi.tokens(query, grid)))
-        out = self.proj(self.attend(q, k, v, grid))
-        return (query if identity is None else identity) + self.dropout_layer(self.proj_drop(out))
+        out = self.attention_output(query, identity)
+        return (query if identity is None else identity) + self.dropout_layer(out)
 
 
 def _mmpretrain_attention_refusal(attn: nn.Module) -> Optional[str]:
@@ -120,8 +113,7 @@ def mmseg_vision_transformer(model: nn.Module) -> Optional[SwapPlan]:
         if not isinstance(attn, Attention):
             raise TypeError(f'layer {i} ({described(layer)}) holds {described(attn)}, not mmcv\'s '
                             'MultiheadAttention: swap_attention replaces the attention of mmseg\'s ViT layers only')
-        inner = attn.attn
-        if not (attn.batch_first and inner._qkv_same_embed_dim and inner.bias_k is None and not inner.add_zero_attn):
+        if not (attn.batch_first and packs_self_attention(attn.attn)):
             raise TypeError(f'layer {i} of {described(model)} has an mmcv MultiheadAttention that is not batch-first '
                             'self-attention with packed q/k/v projections and no added keys')
         sites.append(AttentionSite(layer, 'attn', attn.embed_dims, attn.num_heads, int(model.with_cls_token)))

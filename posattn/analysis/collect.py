@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..attention import Attention
-from ..functional import _key_mask_terms
+from ..functional import attention_probs
 from ..grid import TokenGrid
 from .metrics import REGIONS, impact, nonlocality, region_scores
 
@@ -41,24 +41,20 @@ def attention_maps(q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor
                    key_mask: Optional[torch.Tensor] = None, own_bias: Optional[torch.Tensor] = None) -> AttentionMaps:
     """Φc, Φa and Φp (module docstring) from a layer's q, k (B, heads, N, d), logits bias and key mask.
 
-    The softmax runs over all N keys, extra tokens included, as in the layer, leaving out the keys
-    ``key_mask`` (B, N) marks False (padding of windowed attention); the maps are then cut to the
-    grid's queries and keys. ``own_bias``, the swapped model's own positional bias, is part of Φa
-    (the layer's softmax uses it) and of neither Φc nor Φp.
+    The probabilities are the layer's (:func:`posattn.functional.attention_probs`), in float32:
+    the softmax runs over all N keys, extra tokens included, leaving out the keys ``key_mask``
+    (B, N) marks False (padding of windowed attention); the maps are then cut to the grid's
+    queries and keys. ``own_bias``, the swapped model's own positional bias, is part of Φa (the
+    layer's softmax uses it) and of neither Φc nor Φp.
     """
     q, k = q.float(), k.float()
-    logits = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
-    if key_mask is not None:
-        logits = logits + _key_mask_terms(key_mask, q)[0]
+    bias = None if bias is None else bias.float()
+    own_bias = None if own_bias is None else own_bias.float()
     inner = slice(grid.num_prefix_tokens, None)
-    content = logits.softmax(-1)[..., inner, inner]
-    used = logits if own_bias is None else logits + own_bias.float()
-    if bias is None:
-        return AttentionMaps(grid, content, used.softmax(-1)[..., inner, inner] if own_bias is not None else content,
-                             None)
-    bias = bias.float()
-    mixed = (used + bias).softmax(-1)[..., inner, inner]
-    return AttentionMaps(grid, content, mixed, bias[..., inner, inner].exp())
+    content = attention_probs(q, k, None, key_mask)[..., inner, inner]
+    logits_bias = bias if own_bias is None else own_bias if bias is None else bias + own_bias  # as the layer sums them
+    mixed = content if logits_bias is None else attention_probs(q, k, logits_bias, key_mask)[..., inner, inner]
+    return AttentionMaps(grid, content, mixed, None if bias is None else bias[..., inner, inner].exp())
 
 
 def _attention_layers(model: nn.Module) -> Dict[str, Attention]:

@@ -30,6 +30,8 @@ KERNEL_SIZE = 3  # PP1 and PP2; keys are padded by 2 so that both valid convolut
 NORM_EPS = 1e-5
 # Elements of the (queries, H+2, W+2, hidden) activations per chunk of queries.
 _CHUNK_ELEMENTS = 1 << 20
+# torch.compiler.is_exporting is PyTorch 2.6's; under 2.5 an export keeps the chunks of its example's grid.
+_is_exporting = getattr(torch.compiler, 'is_exporting', lambda: False)
 
 
 def axis_offsets(length: int, pad: int = 2) -> torch.Tensor:
@@ -57,8 +59,13 @@ def _windows(canvas: torch.Tensor, height: int, width: int) -> torch.Tensor:
     Query (i, j) sees padded key (y, x) at offset (y - p - i, x - p - j), which is canvas cell
     (H - 1 - i + y, W - 1 - j + x): window (a, b) = (H - 1 - i, W - 1 - j) is query (i, j)
     mirrored, so the windows of all queries are one strided view and only the output is flipped.
+    It is ``canvas.unfold(0, H+2p, 1).unfold(1, W+2p, 1)``, written with the strides, whose sizes
+    stay symbolic where ``unfold``'s window size would be fixed (``torch.export`` with dynamic sizes).
     """
-    return canvas.unfold(0, canvas.shape[0] - height + 1, 1).unfold(1, canvas.shape[1] - width + 1, 1)
+    rows, cols, channels = canvas.shape
+    row_stride, col_stride, channel_stride = canvas.stride()
+    return canvas.as_strided((height, width, channels, rows - height + 1, cols - width + 1),
+                             (row_stride, col_stride, channel_stride, row_stride, col_stride))
 
 
 def _windows_adjoint(grad_windows: torch.Tensor, canvas_shape: torch.Size) -> torch.Tensor:
@@ -100,7 +107,11 @@ def _grid_moments(height: int, width: int, device: torch.device) -> Tuple[torch.
 
 
 def _row_chunks(canvas: torch.Tensor, height: int, width: int) -> List[slice]:
-    """Slices of window-start rows whose activations stay near ``_CHUNK_ELEMENTS``."""
+    """Slices of window-start rows whose activations stay near ``_CHUNK_ELEMENTS``; one slice of
+    all rows under ``torch.export``, whose graph cannot hold a number of chunks that depends on
+    the input size."""
+    if _is_exporting():
+        return [slice(0, height)]
     per_row = width * _windows(canvas, height, width)[0, 0].numel()
     step = max(_CHUNK_ELEMENTS // per_row, 1)
     return [slice(a, min(a + step, height)) for a in range(0, height, step)]

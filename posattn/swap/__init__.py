@@ -5,9 +5,10 @@ their weights.
     swap_attention(model, phi='peripheral')          # then fine-tune
 
 One family a module (``timm_vit``, ``torchvision_vit``, ...), each a small
-:class:`~posattn.swap.core.SwappedAttention` subclass called as the module it replaces, and a
-function registered with :func:`register_family` that finds those modules in a model. The
-OpenMMLab families register from ``posattn_openmmlab``.
+:class:`~posattn.swap.core.SwappedAttention` subclass called as the module it replaces (it supplies
+what its model does around posattn's attention), and a function registered with
+:func:`register_family` that finds those modules in a model. The OpenMMLab families register from
+``posattn_openmmlab``.
 """
 import importlib
 import pkgutil

@@ -10,6 +10,7 @@ that says why such a model cannot be swapped). The plan lists the attention modu
 from __future__ import annotations
 
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -22,7 +23,7 @@ from ..phi import PositionalModule, build_layer_phi
 from .token_grids import GridTracker
 
 __all__ = ['AttentionSite', 'SwapPlan', 'SwappedAttention', 'GridTracker', 'register_family', 'swap_attention',
-           'described', 'imported']
+           'described', 'imported', 'packs_self_attention']
 
 
 def described(obj: Any) -> str:
@@ -76,6 +77,13 @@ class SwapPlan:
     position_parameters: Sequence[Optional[nn.Parameter]] = field(default_factory=list)
 
 
+def packs_self_attention(mha: nn.MultiheadAttention) -> bool:
+    """Whether ``mha`` holds what :meth:`SwappedAttention.take_multihead` moves into a posattn attention:
+    one packed [q; k; v] projection of the embedding width, and no added key/value biases or zero
+    attention, which posattn's attention does not have."""
+    return mha._qkv_same_embed_dim and mha.bias_k is None and not mha.add_zero_attn
+
+
 class SwappedAttention(Attention):
     """:class:`posattn.Attention` inside another model, called as the module it replaced was.
 
@@ -83,6 +91,17 @@ class SwappedAttention(Attention):
     which moves the replaced module's submodules and parameters in (the same objects: an optimiser
     built before the swap still updates them). ``own_positions`` says whether the model's own
     positional terms (RoPE, relative position tables, absolute embeddings) are kept beside the Φp.
+
+    Between its arguments and its return value (a residual, layer scale, an ``(out, None)``
+    pair), each forward calls :meth:`attention_output`, which computes what
+    :class:`posattn.Attention` computes with the replaced module's extras at fixed places::
+
+        q, k, v = split_heads(project_qkv(Φp.tokens(x)))        BEiT / EVA: separate q and v biases
+        q, k    = rotation(q), rotation(k)                       EVA: its RoPE, when kept
+        out     = attend(q, k, v, own_bias)                      relative position tables, shift masks
+        out     = proj_drop(proj(before_projection(out, x)))     timm / EVA: sub-LN and gate
+
+    A subclass overrides only the hooks where its model differs.
     """
     grid_tracker: Optional[GridTracker] = None
     own_positions: bool = True
@@ -110,6 +129,42 @@ class SwappedAttention(Attention):
         ``tensors``: what this call was given besides its input tokens (the block's input, where
         the model passes it), by which an activation-checkpointing recompute finds its grid."""
         return self.grid_tracker.grid(self.num_prefix_tokens, *tensors)
+
+    def attention_output(self, x: torch.Tensor, *tensors: Optional[torch.Tensor],
+                         own_bias: Optional[torch.Tensor] = None,
+                         rotation: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+        """x (B, N, C) -> the layer's output (B, N, C), after the output projection and its dropout.
+
+        Args:
+            x: the tokens of this call, on :meth:`current_grid`'s grid.
+            *tensors: what the call was given besides ``x`` (the block's input), passed on to
+                :meth:`current_grid`.
+            own_bias: the model's own logits bias, broadcastable to (B, heads, N, N), or None.
+            rotation: applied to the queries and keys (B, heads, N, d) before the logits and the
+                Φp (EVA's RoPE); the results take the values' dtype, as in timm's EVA.
+        """
+        grid = self.grid_of(x, self.current_grid(*tensors))
+        q, k, v = self.split_heads(self.project_qkv(self.phi.tokens(x, grid)))
+        if rotation is not None:
+            q, k = rotation(q).type_as(v), rotation(k).type_as(v)
+        out = self.attend(q, k, v, grid, own_bias=own_bias)
+        return self.proj_drop(self.proj(self.before_projection(out, x)))
+
+    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, N, C) -> (B, N, 3 * heads * d), laid out as (three, heads, d)."""
+        return self.qkv(x)
+
+    def before_projection(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The attention output (B, N, heads * d) as ``proj`` takes it; ``x``: the layer's input."""
+        return out
+
+    def take_multihead(self, mha: nn.MultiheadAttention) -> None:
+        """An ``nn.MultiheadAttention``'s projections become ``qkv`` and ``proj``: the same tensors,
+        ``in_proj_weight``'s rows [q; k; v] with the heads inside, as posattn splits them (see
+        :func:`packs_self_attention`); its dropout probability becomes the attention dropout's."""
+        self.qkv.weight, self.qkv.bias = mha.in_proj_weight, mha.in_proj_bias
+        self.proj.weight, self.proj.bias = mha.out_proj.weight, mha.out_proj.bias
+        self.attn_drop.p = mha.dropout
 
 
 Family = Callable[[nn.Module], Optional[SwapPlan]]
@@ -183,7 +238,8 @@ def swap_attention(model: nn.Module, phi: str = 'peripheral', *, own_positions: 
             takes it (:func:`posattn.phi.build_layer_phi`).
 
     Returns:
-        ``model``.
+        ``model``. Weights of ``model`` as it was before the swap still load into it, strictly:
+        every Φp then keeps its initialisation, and one warning says so.
     """
     if any(isinstance(m, SwappedAttention) for m in model.modules()):
         raise ValueError(f'the attention of {described(model)} is already swapped; build the original '
@@ -212,6 +268,7 @@ def swap_attention(model: nn.Module, phi: str = 'peripheral', *, own_positions: 
             replacement.attach(target.patch_projection, [site.parent for site in target.sites])
     if not own_positions:
         _drop_own_positions(plans)
+    model.register_load_state_dict_post_hook(_fresh_phis_from_weights_without_them)
     return model
 
 
@@ -222,3 +279,48 @@ def _drop_own_positions(plans: Sequence[SwapPlan]) -> None:
             embedding.requires_grad_(False)
     for param in (p for plan in plans for p in plan.position_parameters if p is not None):
         param.requires_grad_(False)
+
+
+def _phi_keys(model: nn.Module) -> Dict[str, List[str]]:
+    """Each swapped attention's Φp in ``model`` that has state, by its key prefix
+    ('blocks.0.attn.phi.'): its state-dict keys, relative to ``model``."""
+    return {f'{name}.phi.': [f'{name}.phi.{key}' for key in module.phi.state_dict()]
+            for name, module in model.named_modules()
+            if isinstance(module, SwappedAttention) and module.phi.state_dict()}
+
+
+def _fresh_phis_from_weights_without_them(model: nn.Module, incompatible_keys: Any) -> None:
+    """``load_state_dict`` post hook of a swapped model: weights of the model as it was before the
+    swap leave every Φp at its initialisation, as posattn's ``vit_*`` treat plain-ViT weights.
+
+    Such weights hold every key of the model but the Φp's, and no other key. Then the Φp keys are
+    taken off the missing keys (strict loading passes) and one warning names them. Any other
+    weights keep every missing key, so that strict loading fails as it would without the hook:
+    some Φp keys but not all (some layers', another Φp's), keys missing outside the Φp, unexpected
+    keys. Wrong shapes fail in any case.
+
+    ``model`` may be loaded inside a larger module: its keys are found under the prefix that its
+    first Φp key has among the missing keys.
+    """
+    phis = _phi_keys(model)
+    if not phis:
+        return
+    keys = [key for layer_keys in phis.values() for key in layer_keys]
+    missing, unexpected = incompatible_keys.missing_keys, incompatible_keys.unexpected_keys
+    prefixes = {name[:len(name) - len(keys[0])] for name in missing if name.endswith(keys[0])}
+    for prefix in sorted(p for p in prefixes if p == '' or p.endswith('.')):
+        fresh = {prefix + key for key in keys}
+        if {name for name in missing if name.startswith(prefix)} != fresh or any(
+                name.startswith(prefix) for name in unexpected):
+            continue
+        missing[:] = [name for name in missing if name not in fresh]
+        warnings.warn(_fresh_phis_message(model, [prefix + phi for phi in phis], len(keys)))
+
+
+def _fresh_phis_message(model: nn.Module, phi_prefixes: Sequence[str], num_keys: int) -> str:
+    """One line naming the Φp that weights without their keys left at their initialisation."""
+    names = [prefix.rstrip('.') for prefix in phi_prefixes]
+    where = names[0] if len(names) == 1 else f'{names[0]} ... {names[-1]}'
+    layers = 'swapped attention layer' if len(names) == 1 else f'{len(names)} swapped attention layers'
+    return (f'{described(model)}: the loaded weights hold no Φp keys; the Φp of its {layers} '
+            f'({where}: {num_keys} keys) keep their initialisation')

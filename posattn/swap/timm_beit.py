@@ -27,10 +27,7 @@ class BeitAttention(SeparateBiasQkv):
         self.register_buffer('relative_position_index', old.relative_position_index, persistent=False)
 
     def forward(self, x: torch.Tensor, shared_rel_pos_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        grid = self.grid_of(x, self.current_grid())
-        q, k, v = self.split_heads(self.project_qkv(self.phi.tokens(x, grid)))
-        out = self.attend(q, k, v, grid, own_bias=self.own_bias(shared_rel_pos_bias))
-        return self.proj_drop(self.proj(out))
+        return self.attention_output(x, own_bias=self.own_bias(shared_rel_pos_bias))
 
     def own_bias(self, shared: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The block's table bias (1, heads, N, N) plus the shared one, when the model's positions are kept."""

@@ -10,6 +10,7 @@ rotation is skipped and the absolute embedding zeroed.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -17,11 +18,12 @@ from torch import nn
 
 from .core import AttentionSite, SwapPlan, described, imported, register_family
 from .qkv_biases import SeparateBiasQkv
+from .timm_vit import NormGateOutput, refuse_attention_mask
 
 _EVA = 'timm.models.eva'
 
 
-class EvaAttention(SeparateBiasQkv):
+class EvaAttention(NormGateOutput, SeparateBiasQkv):
     """Called as EVA's blocks call their attention: ``attn(x, rope=None, attn_mask=None, is_causal=False)``."""
 
     def take_over(self, old: nn.Module) -> None:
@@ -31,15 +33,9 @@ class EvaAttention(SeparateBiasQkv):
 
     def forward(self, x: torch.Tensor, rope: Optional[torch.Tensor] = None,
                 attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False) -> torch.Tensor:
-        if attn_mask is not None or is_causal:
-            raise ValueError('a swapped attention takes no attention mask: the Φp is its positional bias')
-        grid = self.grid_of(x, self.current_grid())
-        gate = self.gate(x).sigmoid() if self.gate is not None else None
-        q, k, v = self.split_heads(self.project_qkv(self.phi.tokens(x, grid)))
-        if rope is not None and self.own_positions:
-            q, k = self.rotate(q, rope).type_as(v), self.rotate(k, rope).type_as(v)
-        out = self.norm(self.attend(q, k, v, grid))
-        return self.proj_drop(self.proj(out if gate is None else out * gate))
+        refuse_attention_mask(attn_mask, is_causal)
+        kept = rope is not None and self.own_positions
+        return self.attention_output(x, rotation=functools.partial(self.rotate, rope=rope) if kept else None)
 
     def rotate(self, t: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         """RoPE on the grid tokens of t (B, heads, N, d); the prefix tokens stay as they are."""

@@ -22,10 +22,7 @@ class RelPosAttention(SwappedAttention):
         self.take(old, 'qkv', 'q_norm', 'k_norm', 'rel_pos', 'attn_drop', 'proj', 'proj_drop')
 
     def forward(self, x: torch.Tensor, shared_rel_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
-        grid = self.grid_of(x, self.current_grid())
-        q, k, v = self.split_heads(self.qkv(self.phi.tokens(x, grid)))
-        out = self.attend(q, k, v, grid, own_bias=self.own_bias(shared_rel_pos))
-        return self.proj_drop(self.proj(out))
+        return self.attention_output(x, own_bias=self.own_bias(shared_rel_pos))
 
     def own_bias(self, shared: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The block's relative position bias (heads, N, N), or the model's shared one, when kept."""

@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 from torch import nn
 
 from .core import AttentionSite, SwapPlan, described, imported, register_family
-from .windows import COSINE_ATTENTION, WindowTableAttention, tables_of
+from .window_tables import COSINE_ATTENTION, WindowTableAttention, tables_of
 
 _SWIN = 'timm.models.swin_transformer'
 

@@ -10,8 +10,25 @@ from torch import nn
 
 from .core import AttentionSite, SwapPlan, SwappedAttention, described, imported, register_family
 
+__all__ = ['TimmAttention', 'NormGateOutput', 'refuse_attention_mask']
 
-class TimmAttention(SwappedAttention):
+
+def refuse_attention_mask(attn_mask: Optional[torch.Tensor], is_causal: bool) -> None:
+    """A swapped timm attention attends over the whole grid: a mask given to it is an error."""
+    if attn_mask is not None or is_causal:
+        raise ValueError('a swapped attention takes no attention mask: the Φp is its positional bias')
+
+
+class NormGateOutput(SwappedAttention):
+    """timm's attention output: its ``norm`` (scale norm / sub-LN, an identity without one), then
+    times ``sigmoid(gate(x))`` of the layer's input where the model has a ``gate``."""
+
+    def before_projection(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        out = self.norm(out)
+        return out if self.gate is None else out * self.gate(x).sigmoid()
+
+
+class TimmAttention(NormGateOutput):
     """Called as timm's ``Block`` calls ``timm.layers.Attention``: ``attn(x, attn_mask=None, is_causal=False)``."""
 
     def take_over(self, old: nn.Module) -> None:
@@ -19,13 +36,8 @@ class TimmAttention(SwappedAttention):
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False) -> torch.Tensor:
-        if attn_mask is not None or is_causal:
-            raise ValueError('a swapped attention takes no attention mask: the Φp is its positional bias')
-        grid = self.grid_of(x, self.current_grid())
-        gate = self.gate(x).sigmoid() if self.gate is not None else None
-        q, k, v = self.split_heads(self.qkv(self.phi.tokens(x, grid)))
-        out = self.norm(self.attend(q, k, v, grid))
-        return self.proj_drop(self.proj(out if gate is None else out * gate))
+        refuse_attention_mask(attn_mask, is_causal)
+        return self.attention_output(x)
 
 
 @register_family

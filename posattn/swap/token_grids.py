@@ -141,11 +141,10 @@ class GridTracker:
         if not (isinstance(output, torch.Tensor) and output.dim() == 4):
             raise RuntimeError(f'the patch projection {type(module).__name__} should give (B, C, H, W), '
                                f'got {getattr(output, "shape", type(output))}')
-        hw = (int(output.shape[-2]), int(output.shape[-1]))
-        if torch.compiler.is_compiling():
-            self._traced_hw = hw
+        if torch.compiler.is_compiling():  # sizes stay symbolic, so export can keep them dynamic
+            self._traced_hw = (output.shape[-2], output.shape[-1])
         else:
-            _PATCH_GRIDS.set({**_PATCH_GRIDS.get(), self: hw})
+            _PATCH_GRIDS.set({**_PATCH_GRIDS.get(), self: (int(output.shape[-2]), int(output.shape[-1]))})
 
     def _enter_block(self, block: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         if torch.compiler.is_compiling():

@@ -1,37 +1,25 @@
 """torchvision's ``SwinTransformer`` v1 (swin_t, swin_s, swin_b, any input size): the
 ``ShiftedWindowAttention`` of every block, which cuts its own windows. The replacement does what
 torchvision's ``shifted_window_attention`` does around the attention (pad to whole windows, roll,
-partition, shift mask, merge, roll back, crop) and keeps the relative position table and index
-under torchvision's names, so its checkpoints load before and after the swap. Swin V2
-(``ShiftedWindowAttentionV2``, swin_v2_*) is refused: its attention is cosine attention."""
+partition, shift mask, merge, roll back, crop: :class:`posattn.window.GridWindows`) and keeps the
+relative position table and index under torchvision's names, so its checkpoints load before and
+after the swap. Swin V2 (``ShiftedWindowAttentionV2``, swin_v2_*) is refused: its attention is
+cosine attention."""
 from __future__ import annotations
 
-import itertools
-from typing import Optional, Sequence, Tuple
+import dataclasses
+from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from ..grid import TokenGrid
+from ..window import GridWindows
 from .core import AttentionSite, SwapPlan, described, imported, register_family
-from .windows import COSINE_ATTENTION, WindowTableAttention, tables_of
+from .window_tables import COSINE_ATTENTION, WindowTableAttention, tables_of
 
 _SWIN = 'torchvision.models.swin_transformer'
-
-
-def shift_mask(padded_hw: Tuple[int, int], window_size: Sequence[int], shift_size: Sequence[int],
-               like: torch.Tensor) -> torch.Tensor:
-    """torchvision's mask of a shifted block: (num_windows, N, N), -100 between tokens from different
-    regions of the rolled map, 0 within one. The regions are torchvision's slices
-    ``[0:-window], [-window:-shift], [-shift:]`` along each dimension, a zero shift included."""
-    regions = like.new_zeros(padded_hw)
-    slices = [((0, -window), (-window, -shift), (-shift, None)) for window, shift in zip(window_size, shift_size)]
-    for count, ((h0, h1), (w0, w1)) in enumerate(itertools.product(*slices)):
-        regions[h0:h1, w0:w1] = count
-    regions = rearrange(regions, '(nh wh) (nw ww) -> (nh nw) (wh ww)', wh=window_size[0], ww=window_size[1])
-    different = regions[:, None, :] != regions[:, :, None]  # (num_windows, N, N)
-    return like.new_zeros(different.shape).masked_fill(different, -100.0)
 
 
 class TorchvisionWindowAttention(WindowTableAttention):
@@ -44,22 +32,22 @@ class TorchvisionWindowAttention(WindowTableAttention):
         self.attn_drop.p, self.proj_drop.p = old.attention_dropout, old.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, H, W, C = x.shape
-        wh, ww = self.window_size
-        x = F.pad(x, (0, 0, 0, -W % ww, 0, -H % wh))  # zeros that take part as keys
-        padded_hw = x.shape[1:3]
-        # torchvision does not shift along a dimension that one window covers
-        shift = [0 if window >= size else s for window, size, s in zip(self.window_size, padded_hw, self.shift_size)]
-        shifted = any(shift)
-        if shifted:
-            x = torch.roll(x, shifts=(-shift[0], -shift[1]), dims=(1, 2))
-        windows = rearrange(x, 'b (nh wh) (nw ww) c -> (b nh nw) (wh ww) c', wh=wh, ww=ww)
-        mask = shift_mask(padded_hw, self.window_size, shift, x) if shifted else None
-        windows = self.proj_drop(self.proj(self.attend_windows(windows, mask)))
-        x = rearrange(windows, '(b nh nw) (wh ww) c -> b (nh wh) (nw ww) c', b=B, nh=padded_hw[0] // wh, wh=wh)
-        if shifted:
-            x = torch.roll(x, shifts=(shift[0], shift[1]), dims=(1, 2))
-        return x[:, :H, :W].contiguous()
+        """x (B, H, W, C) -> (B, H, W, C): the attention within each (shifted) window."""
+        height, width = x.shape[1:3]
+        windows = self.windows_of(TokenGrid(height, width))
+        shifted_pairs = windows.shift_mask(x.device)  # (num_windows, N, N) bool or None
+        shift_mask = (None if shifted_pairs is None
+                      else x.new_zeros(shifted_pairs.shape).masked_fill(shifted_pairs, -100.0))
+        out = super().forward(windows.partition(rearrange(x, 'b h w c -> b (h w) c')), shift_mask)
+        return rearrange(windows.merge(out), 'b (h w) c -> b h w c', h=height)
+
+    def windows_of(self, grid: TokenGrid) -> GridWindows:
+        """torchvision's windows of an H x W map: padded zeros that take part as keys, and no shift
+        along a side that one window covers."""
+        unshifted = GridWindows(grid, self.window_size)
+        shift = tuple(0 if window >= padded else shift
+                      for window, padded, shift in zip(self.window_size, unshifted.padded_hw, self.shift_size))
+        return dataclasses.replace(unshifted, shift=shift)
 
 
 @register_family

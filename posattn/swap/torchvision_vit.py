@@ -9,7 +9,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import nn
 
-from .core import AttentionSite, SwapPlan, SwappedAttention, described, imported, register_family
+from .core import AttentionSite, SwapPlan, SwappedAttention, described, imported, packs_self_attention, register_family
 
 
 class TorchvisionAttention(SwappedAttention):
@@ -17,9 +17,7 @@ class TorchvisionAttention(SwappedAttention):
     self-attention, ``(out, None)`` returned."""
 
     def take_over(self, old: nn.MultiheadAttention) -> None:
-        self.qkv.weight, self.qkv.bias = old.in_proj_weight, old.in_proj_bias
-        self.proj.weight, self.proj.bias = old.out_proj.weight, old.out_proj.bias
-        self.attn_drop.p = old.dropout
+        self.take_multihead(old)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 need_weights: bool = False, **kwargs: Any) -> Tuple[torch.Tensor, None]:
@@ -28,9 +26,7 @@ class TorchvisionAttention(SwappedAttention):
         if need_weights or any(v is not None and v is not False for v in kwargs.values()):
             raise ValueError(f'a swapped attention returns no weights and takes no masks; got '
                              f'need_weights={need_weights}, {sorted(kwargs)}')
-        grid = self.grid_of(query, self.current_grid())
-        q, k, v = self.split_heads(self.qkv(self.phi.tokens(query, grid)))
-        return self.proj(self.attend(q, k, v, grid)), None
+        return self.attention_output(query), None
 
 
 @register_family
@@ -44,8 +40,7 @@ def torchvision_vision_transformer(model: nn.Module) -> Optional[SwapPlan]:
         if not isinstance(attn, nn.MultiheadAttention):
             raise TypeError(f'encoder layer {i} of the torchvision model holds {described(attn)}; '
                             'swap_attention replaces nn.MultiheadAttention only')
-        if not (attn.batch_first and attn._qkv_same_embed_dim and attn.bias_k is None
-                and not attn.add_zero_attn and attn.in_proj_bias is not None):
+        if not (attn.batch_first and packs_self_attention(attn) and attn.in_proj_bias is not None):
             raise TypeError(f'encoder layer {i} of the torchvision model has a MultiheadAttention that is not '
                             'batch-first self-attention with packed, biased q/k/v projections')
         sites.append(AttentionSite(block, 'self_attention', attn.embed_dim, attn.num_heads, 1))

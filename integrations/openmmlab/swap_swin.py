@@ -6,7 +6,7 @@
 
 every ``ShiftWindowMSA`` keeps cutting its windows, rolling and masking, and its ``w_msa``
 (``WindowMSA``, called ``w_msa(windows, mask=None)``) becomes posattn's window attention
-(:class:`posattn.swap.windows.WindowTableAttention`). The relative position table and index keep
+(:class:`posattn.swap.window_tables.WindowTableAttention`). The relative position table and index keep
 their names, so the toolboxes' checkpoints load before and after the swap; ``absolute_pos_embed``
 (``use_abs_pos_embed=True``) is the model's absolute position embedding. Refused: a ``qk_scale``
 other than None, a ``w_msa`` of another class (mmpretrain's ``WindowMSAV2`` included), and
@@ -22,7 +22,7 @@ from torch import nn
 
 from posattn.swap import AttentionSite, SwapPlan, register_family
 from posattn.swap.core import described, imported
-from posattn.swap.windows import COSINE_ATTENTION, WindowTableAttention, tables_of
+from posattn.swap.window_tables import COSINE_ATTENTION, WindowTableAttention, tables_of
 
 __all__ = ['openmmlab_swin_transformer']
 

@@ -55,18 +55,13 @@ class WindowTableAttention(SwappedAttention):
         self.register_buffer('relative_position_index', old.relative_position_index, persistent=persistent)
         self.window_size = tuple(old.window_size)
 
-    def current_grid(self) -> TokenGrid:
-        """Every window is one wh x ww grid."""
+    def current_grid(self, *tensors: Optional[torch.Tensor]) -> TokenGrid:
+        """Every window is one wh x ww grid, whatever the call."""
         return TokenGrid(*self.window_size)
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self.proj_drop(self.proj(self.attend_windows(x, mask)))
-
-    def attend_windows(self, windows: torch.Tensor, shift_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """windows (B * num_windows, N, C) -> attention output (B * num_windows, N, C), before ``proj``."""
-        grid = self.grid_of(windows, self.current_grid())
-        q, k, v = self.split_heads(self.qkv(self.phi.tokens(windows, grid)))
-        return self.attend(q, k, v, grid, own_bias=self.own_bias(windows.shape[0], shift_mask))
+        """windows (B * num_windows, N, C) -> the layer's output (B * num_windows, N, C)."""
+        return self.attention_output(x, own_bias=self.own_bias(x.shape[0], mask))
 
     def relative_position_bias(self) -> torch.Tensor:
         """B[index]: (1, heads, N, N)."""
@@ -88,4 +83,3 @@ class WindowTableAttention(SwappedAttention):
 
     def extra_repr(self) -> str:
         return f'{super().extra_repr()}, window_size={self.window_size}'
-
