@@ -13,7 +13,7 @@ import posattn
 from posattn import Attention, TokenGrid
 from posattn.analysis import (REGIONS, attention_maps, collect_attention_maps, impact, measure_attention,
                               nonlocality, plot_measures, plot_position_maps, plot_sample_attention,
-                              region_radii, region_scores)
+                              plot_training_curve, region_radii, region_scores)
 from conftest import REPO
 
 PNG_SIGNATURE = b'\x89PNG\r\n\x1a\n'
@@ -77,6 +77,26 @@ def test_peripheral_maps_are_what_the_layer_computes(prefix):
     if not prefix:  # the layer's output is the mixed attention applied to v
         out = layer.proj(rearrange(maps.mixed.double() @ v, 'b h n d -> b n (h d)'))
         torch.testing.assert_close(out, layer(x, grid), rtol=1e-5, atol=1e-6)
+
+
+def test_maps_with_a_key_mask_and_the_models_own_bias_are_the_layers_probabilities():
+    """Φa is the softmax of the content, the Φp bias and the swapped model's own bias over the kept
+    keys, Φc that of the content alone; a sequence with no key left attends to nothing, as in the
+    layer, and has zero maps."""
+    generator = torch.Generator().manual_seed(0)
+    grid = TokenGrid(2, 3, 1)
+    q, k = (torch.randn(3, 2, 7, 4, generator=generator, dtype=torch.float64) for _ in range(2))
+    bias, own_bias = torch.randn(1, 2, 7, 7, generator=generator), torch.randn(3, 1, 7, 7, generator=generator)
+    key_mask = torch.tensor([[1] * 7, [1, 0, 1, 1, 0, 1, 1], [0] * 7], dtype=torch.bool)
+    maps = attention_maps(q, k, bias, grid, key_mask, own_bias)
+    logits = q @ k.transpose(-2, -1) / 2  # head_dim 4
+    for b, keep in enumerate(key_mask):
+        for name, logits_bias in (('content', 0.0), ('mixed', bias[0].double() + own_bias[b].double())):
+            expected = torch.zeros(2, 7, 7, dtype=torch.float64)
+            if keep.any():
+                expected[:, :, keep] = (logits[b] + logits_bias)[:, :, keep].softmax(-1)
+            torch.testing.assert_close(getattr(maps, name)[b], expected[:, 1:, 1:].float())
+    torch.testing.assert_close(maps.position, bias[..., 1:, 1:].exp())
 
 
 class layer_model(torch.nn.Module):
@@ -219,6 +239,104 @@ def test_measures_legend_names_every_head(tmp_path):
     assert b'<svg' in (tmp_path / 'measures.svg').read_bytes()[:400]
 
 
+def test_sample_maps_tell_their_two_colour_bars_apart(tmp_path):
+    """Φp and the attention probabilities in different colour maps, each colour bar titled with its maps."""
+    model = posattn.create_model('pervit_tiny', num_classes=0)
+    images = torch.randn(2, 3, 64, 64)
+    fig = plot_sample_attention(images, collect_attention_maps(model, images), tmp_path / 'samples.png')
+    position, probability = colorbars(fig)
+    assert (position.ax.get_title(), probability.ax.get_title()) == ('Φp', 'Φc, Φa')
+    assert position.cmap.name != probability.cmap.name
+    columns = {'Φp': set(), 'Φc': set(), 'Φa': set()}  # the colour maps drawn under each column title
+    for ax in fig.axes[1:13]:  # the first row: the picture, then Φp, Φc, Φa of each head
+        columns[ax.get_title().split()[0]].add(ax.images[0].get_cmap().name)
+    assert columns == {'Φp': {position.cmap.name}, 'Φc': {probability.cmap.name}, 'Φa': {probability.cmap.name}}
+
+
+def test_position_maps_name_the_query_and_the_model(tmp_path):
+    model = posattn.create_model('pervit_tiny', num_classes=0)
+    maps = collect_attention_maps(model, torch.randn(1, 3, 96, 80))
+    fig = plot_position_maps(maps, tmp_path / 'position.png', query=(1, 2), title='pervit_t_shapes: epoch_10.pth')
+    assert fig.get_suptitle() == ('Φp of the query at row 1, column 2 of the 6x5 token grid\n'
+                                  'pervit_t_shapes: epoch_10.pth')
+    fig = plot_position_maps(maps, tmp_path / 'position.png')
+    assert fig.get_suptitle() == 'Φp of the query at row 3, column 2 of the 6x5 token grid'
+
+
+def test_measures_label_every_y_axis_with_quantity_and_unit(tmp_path):
+    model = posattn.create_model('vit_tiny', phi='peripheral', img_size=32, depth=2, num_classes=0)
+    fig = plot_measures(measure_attention(model, [torch.randn(2, 3, 32, 32)]), tmp_path / 'measures.png')
+    drawn = [ax for ax in fig.axes if ax.axison]
+    assert [ax.get_title() for ax in drawn] == ['Ω (Eq. 13) of Φp', 'Ω (Eq. 13) of Φc', 'Ω (Eq. 13) of Φa',
+                                               'Ψ (Eq. 12) of Φp', 'Ψ (Eq. 12) of Φc']
+    assert [ax.get_ylabel() for ax in drawn] == ['nonlocality Ω (tokens)'] * 3 + ['impact Ψ (dimensionless)'] * 2
+
+
+def visible_text_sizes(fig):
+    import matplotlib.text
+    return [text.get_fontsize() for text in fig.findobj(matplotlib.text.Text) if text.get_text() and text.get_visible()]
+
+
+def test_figures_draw_readable_text_without_touching_matplotlibs_state(tmp_path):
+    """Every text at 9 pt or more, 100 dpi by default; rcParams, pyplot's figures and the backend as before."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+    model = posattn.create_model('pervit_tiny', num_classes=0)
+    images = torch.randn(1, 3, 64, 64)
+    maps = collect_attention_maps(model, images)
+    rc_before, backend = dict(matplotlib.rcParams), matplotlib.get_backend()
+    figures = [plot_position_maps(maps, tmp_path / 'position.png'),
+               plot_sample_attention(images, maps, tmp_path / 'samples.png', layers=['blocks.0.attn']),
+               plot_measures(measure_attention(model, [images]), tmp_path / 'measures.png'),
+               plot_training_curve({1: 2.0, 2: 1.5}, {'accuracy/top1': {1: 40.0}}, tmp_path / 'curve.png')]
+    for fig in figures:
+        assert min(visible_text_sizes(fig)) >= 9
+    assert dict(matplotlib.rcParams) == rc_before and matplotlib.get_backend() == backend
+    assert plt.get_fignums() == []
+    width_inches = figures[-1].get_size_inches()[0]
+    assert png_width(tmp_path / 'curve.png') == pytest.approx(100 * width_inches, rel=0.1)
+
+
+def png_width(path):
+    import struct
+    return struct.unpack('>I', path.read_bytes()[16:20])[0]
+
+
+def test_importing_the_analysis_leaves_matplotlib_unimported():
+    import subprocess
+    import sys
+    code = 'import sys, posattn.analysis; print(sorted(m for m in sys.modules if m.startswith("matplotlib")))'
+    result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == '[]'
+
+
+def test_training_curve_draws_the_loss_and_each_validation(tmp_path):
+    losses = {20: 1.8, 40: 1.2, 60: 0.05}
+    fig = plot_training_curve(losses, {'accuracy/top1': {2: 90.0, 1: 50.0}, 'accuracy/top5': {}},
+                              tmp_path / 'curve.png', validation_unit='epoch', title='pervit_t_shapes')
+    assert_png(tmp_path / 'curve.png')
+    loss, validation = fig.axes
+    assert (loss.get_xlabel(), loss.get_ylabel(), loss.get_yscale()) == ('iteration', 'loss', 'log')
+    assert (validation.get_xlabel(), validation.get_ylabel()) == ('epoch', 'accuracy/top1')
+    assert loss.lines[0].get_xydata().tolist() == [[20, 1.8], [40, 1.2], [60, 0.05]]
+    assert validation.lines[0].get_xydata().tolist() == [[1, 50.0], [2, 90.0]]  # in step order; top5 skipped
+    assert fig.get_suptitle() == 'pervit_t_shapes'
+    fig = plot_training_curve({1: 2.0, 2: 1.9}, {'mIoU': {}}, tmp_path / 'no_validation.png',
+                              validation_unit='iteration')
+    (loss,) = fig.axes
+    assert loss.get_yscale() == 'linear'
+    fig = plot_training_curve({}, {'coco/bbox_mAP': {300: 0.2}, 'coco/segm_mAP': {300: 0.1, 600: 0.3}},
+                              tmp_path / 'validation_only.png', validation_unit='iteration')
+    (validation,) = fig.axes
+    assert validation.get_xlabel() == 'iteration' and validation.get_ylabel() == 'metric'
+    assert [text.get_text() for text in validation.get_legend().get_texts()] == ['coco/bbox_mAP', 'coco/segm_mAP']
+    with pytest.raises(ValueError, match='nothing to plot: no training loss and no validation metric'):
+        plot_training_curve({}, {'accuracy/top1': {}}, tmp_path / 'x.png')
+    with pytest.raises(ValueError, match="validation_unit must be 'epoch' or 'iteration', got 'step'"):
+        plot_training_curve(losses, {}, tmp_path / 'x.png', validation_unit='step')
+
+
 def quickstart():
     spec = importlib.util.spec_from_file_location('quickstart', REPO / 'examples' / 'quickstart.py')
     module = importlib.util.module_from_spec(spec)
@@ -233,3 +351,10 @@ def test_quickstart_text_map_draws_on_a_fixed_scale():
     assert set(ascii_map(nearly_flat).replace('\n', '')) == {'@'}
     assert set(ascii_map(torch.full((3, 4), 0.5)).replace('\n', '')) == {'='}
     assert ascii_map(torch.tensor([[0.0, 0.5, 1.0]])) == ' =@'
+
+
+def test_figure_rows_name_a_models_blocks_briefly():
+    from posattn.analysis.figures import _layer_label
+    assert _layer_label('model.blocks.11.attn') == 'block 11'
+    assert _layer_label('blocks.0.attn') == 'block 0'
+    assert _layer_label('encoder.layers.encoder_layer_3.self_attention') == 'encoder.layers.encoder_layer_3.self_attention'

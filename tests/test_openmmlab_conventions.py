@@ -23,7 +23,7 @@ from mmpretrain.registry import MODELS
 import posattn
 from posattn import TokenGrid
 from posattn_openmmlab import PosattnPerViT, PosattnViT, backbones
-from posattn_openmmlab.shapes import CLASSES
+from posattn_openmmlab.shapes_dataset import CLASSES
 from conftest import REPO
 
 PERVIT_ARCH = dict(embed_dims=(16, 24), depths=(1, 2), num_heads=2, stem_dims=(4, 4, 4, 8))  # 3 blocks, stride 16

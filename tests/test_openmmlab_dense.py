@@ -112,3 +112,25 @@ def test_simple_fpn_outputs_are_contiguous_for_mmcv_roi_align():
     from torchvision.ops import roi_align as torchvision_roi_align  # an independent implementation
     expected = torchvision_roi_align(maps[0], rois, (7, 7), spatial_scale=0.25, sampling_ratio=0, aligned=True)
     torch.testing.assert_close(roi_align(maps[0], rois), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_dense_set_is_announced_once_and_readable_by_everyone_the_umask_allows(tmp_path):
+    """Generating logs what and where; the folder gets a new folder's mode under the umask (0750 under
+    umask 027), not a private temporary folder's 0700; a second call finds the set and says nothing."""
+    import stat
+    import subprocess
+    import sys
+    root = tmp_path / 'shapes_dense'
+    code = ('import os\n'
+            'os.umask(0o027)\n'
+            'from posattn_openmmlab.dense_shapes_dataset import ensure_dense_shapes\n'
+            'for _ in range(2):\n'
+            f'    ensure_dense_shapes({str(root)!r}, img_size=(64, 96), sizes=dict(train=2, val=1), seed=3)\n')
+    result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    announced = [line for line in (result.stdout + result.stderr).splitlines() if 'dense shapes' in line]
+    assert len(announced) == 1, announced
+    assert announced[0].endswith(f'Generating the dense shapes set in {root}: 2 train and 1 val images of 64 x 96 '
+                                 '(seed 3), with COCO boxes and masks and label maps; later runs reuse it')
+    assert stat.S_IMODE(root.stat().st_mode) == 0o750
+    assert not list(tmp_path.glob('.shapes_dense-*'))  # the staging folder was renamed into place

@@ -24,7 +24,7 @@ import posattn_openmmlab  # noqa: F401
 import posattn_openmmlab.backbones as backbones
 import posattn_openmmlab.detection  # noqa: F401
 import posattn_openmmlab.segmentation  # noqa: F401
-from posattn_openmmlab.dense_shapes import ensure_dense_shapes
+from posattn_openmmlab.dense_shapes_dataset import ensure_dense_shapes
 from conftest import REPO, run_tool
 from release_pervit import ReleasePerViT
 

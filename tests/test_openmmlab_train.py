@@ -20,12 +20,15 @@ from mmengine.registry import HOOKS
 from conftest import REPO, run_tool
 
 CONFIG = 'configs/pervit_t_shapes.py'
-# 16 images in one batch per epoch, without random flips: each iteration sees the same batch, so
-# the loss must fall.
+# 16 images in one batch per epoch, without random flips: each iteration sees the same batch.
 SHORT = ['train_dataloader.dataset.num_images=16', 'train_dataloader.batch_size=16',
-         'train_dataloader.dataset.pipeline.0.prob=0.0', 'optim_wrapper.optimizer.lr=1e-3',
-         'val_dataloader.dataset.num_images=24', 'default_hooks.logger.interval=1',
-         'default_hooks.checkpoint.max_keep_ckpts=-1']
+         'train_dataloader.dataset.pipeline.0.prob=0.0', 'val_dataloader.dataset.num_images=24',
+         'default_hooks.logger.interval=1', 'default_hooks.checkpoint.max_keep_ckpts=-1']
+# The config's epoch schedule at a constant lr of 1e-5 (its warm-up's start factor set to 1; its
+# cosine decays to 1e-5 anyway), small enough that every AdamW step lowers the loss of that batch,
+# and each iteration's own loss logged (a window of one, not the mean of the last ten).
+ONE_BATCH_DESCENT = ['optim_wrapper.optimizer.lr=1e-5', 'param_scheduler.0.start_factor=1.0',
+                     'log_processor.window_size=1']
 EPOCHS = 5
 
 pytestmark = pytest.mark.slow
@@ -60,7 +63,7 @@ def run(*command, env=None):
 
 def train(work_dir, *extra, epochs=EPOCHS):
     return run(sys.executable, 'tools/train.py', CONFIG, '--work-dir', str(work_dir), *extra,
-               '--cfg-options', f'train_cfg.max_epochs={epochs}', *SHORT)
+               '--cfg-options', f'train_cfg.max_epochs={epochs}', *SHORT, *ONE_BATCH_DESCENT)
 
 
 def logged(work_dir):
@@ -86,12 +89,94 @@ def trained(tmp_path_factory):
 def test_training_lowers_the_loss_and_writes_checkpoints(trained):
     work_dir, output = trained
     losses = [row['loss'] for row in logged(work_dir) if 'loss' in row]
-    assert len(losses) == EPOCHS
-    assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses  # one batch, seen 5 times
+    assert len(losses) == EPOCHS and all(np.isfinite(losses)), losses
+    # One batch, seen 5 times: each step lowers its loss by 0.011-0.032 (1.783 -> 1.697 in all);
+    # asked for here: 0.005 a step and 3% in all.
+    assert all(later < earlier - 5e-3 for earlier, later in zip(losses, losses[1:])), losses
+    assert losses[-1] < 0.97 * losses[0], losses
     assert all((work_dir / f'epoch_{e}.pth').is_file() for e in range(1, EPOCHS + 1))
+    assert f'Finished {EPOCHS} epochs ({EPOCHS} iterations). Last validation: accuracy/top1:' in output
     assert f'Last checkpoint: {work_dir / f"epoch_{EPOCHS}.pth"}' in output
-    assert 'Last validation: accuracy/top1:' in output
     assert f'python tools/analyze.py {CONFIG} ' in output  # the main job points to the analysis
+    assert f'Training curve: {work_dir / "training_curve.png"}' in output
+    assert (work_dir / 'training_curve.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
+def test_an_iteration_loop_reports_iterations_and_draws_its_curve(tmp_path):
+    """The embedded config on mmengine's IterBasedTrainLoop: 4 iterations, validated after 2 and 4."""
+    config = tmp_path / 'shapes_by_iteration.py'
+    config.write_text(
+        f"_base_ = '{REPO / CONFIG}'\n"
+        "train_cfg = dict(_delete_=True, type='IterBasedTrainLoop', max_iters=4, val_interval=2)\n"
+        "param_scheduler = [dict(type='ConstantLR', factor=1.0, by_epoch=False)]\n"
+        "default_hooks = dict(checkpoint=dict(by_epoch=False, interval=2))\n")
+    work_dir = tmp_path / 'work'
+    output = run(sys.executable, 'tools/train.py', str(config), '--work-dir', str(work_dir), '--cfg-options', *SHORT)
+    assert '\nFinished 4 iterations. Last validation: accuracy/top1:' in output
+    assert f'Last checkpoint: {work_dir / "iter_4.pth"}' in output
+    assert f'Training curve: {work_dir / "training_curve.png"}' in output
+    assert (work_dir / 'training_curve.png').is_file()
+    from train import training_history
+    from _common import logged_scalars
+    history = training_history(logged_scalars(work_dir), ['accuracy/top1'], counts_epochs=False,
+                               metrics_by_epoch=True)
+    assert sorted(history.losses) == [1, 2, 3, 4] and sorted(history.validations['accuracy/top1']) == [2, 4]
+
+
+def train_row(iteration, loss, epoch=None):
+    row = dict(lr=1e-3, loss=loss, time=0.5, data_time=0.01, iter=iteration, step=iteration)
+    return row if epoch is None else dict(row, epoch=epoch)
+
+
+def validation_row(step, **metrics):
+    return dict(metrics, data_time=0.01, time=0.2, step=step)
+
+
+def test_training_history_places_each_validation_where_the_loop_ran_it():
+    from train import training_history
+    # an epoch loop of 3 iterations an epoch, killed in epoch 2 and resumed from epoch_1.pth: 4 and 5 twice
+    epochs = [train_row(2, 1.8, 1), train_row(3, 1.6, 1), validation_row(1, **{'accuracy/top1': 40.0}),
+              train_row(4, 1.5, 2), train_row(5, 1.45, 2),
+              train_row(4, 1.4, 2), train_row(5, 1.3, 2), train_row(6, 1.1, 2),
+              validation_row(2, **{'accuracy/top1': 70.0, 'accuracy/top5': 100.0})]
+    history = training_history(epochs, ['accuracy/top1', 'accuracy/top5'], counts_epochs=True, metrics_by_epoch=True)
+    assert history.losses == {2: 1.8, 3: 1.6, 4: 1.4, 5: 1.3, 6: 1.1}
+    assert history.validations == {'accuracy/top1': {1: 40.0, 2: 70.0}, 'accuracy/top5': {2: 100.0}}
+    assert history.validation_unit == 'epoch'
+    # an iteration loop logging every 2 iterations, validating after 3 and 6
+    by_iteration = [train_row(2, 2.0), validation_row(3, mIoU=10.0), train_row(4, 1.5), train_row(6, 1.0),
+                    validation_row(6, mIoU=30.0)]
+    history = training_history(by_iteration, ['mIoU'], counts_epochs=False, metrics_by_epoch=False)
+    assert history.validations == {'mIoU': {3: 10.0, 6: 30.0}} and history.validation_unit == 'iteration'
+    # ... whose LoggerHook logs metrics by epoch: step 0, drawn at the last iteration logged before them
+    by_epoch_steps = [dict(row, step=0) if 'mIoU' in row else row for row in by_iteration]
+    history = training_history(by_epoch_steps, ['mIoU'], counts_epochs=False, metrics_by_epoch=True)
+    assert history.validations == {'mIoU': {2: 10.0, 6: 30.0}} and history.validation_unit == 'iteration'
+    assert training_history(epochs[:2], ['accuracy/top1'], True, True).validations == {'accuracy/top1': {}}
+
+
+def test_curve_metrics_follow_save_best_or_take_the_first_logged():
+    from mmengine.config import Config
+    from train import curve_metrics
+    rows = [train_row(1, 2.0), validation_row(1, **{'accuracy/top1': 40.0, 'accuracy/top5': 90.0})]
+
+    def config(save_best):
+        return Config(dict(default_hooks=dict(checkpoint=dict(type='CheckpointHook', save_best=save_best))))
+    assert curve_metrics(config('accuracy/top5'), rows) == ['accuracy/top5']
+    assert curve_metrics(config(['coco/bbox_mAP', 'coco/segm_mAP']), rows) == ['coco/bbox_mAP', 'coco/segm_mAP']
+    assert curve_metrics(config('auto'), rows) == curve_metrics(config(None), rows) == ['accuracy/top1']
+    assert curve_metrics(config('auto'), rows[:1]) == []
+
+
+def test_finished_line_counts_what_the_loop_counts():
+    from mmengine.config import Config
+    from train import finished_line
+    assert finished_line(Config(dict(train_cfg=dict(by_epoch=True, max_epochs=10))), 10, 940) == \
+        'Finished 10 epochs (940 iterations).'
+    assert finished_line(Config(dict(train_cfg=dict(type='IterBasedTrainLoop', max_iters=600))), 0, 600) == \
+        'Finished 600 iterations.'
+    assert finished_line(Config(dict(train_cfg=dict(type='MyLoop'))), 2, 50) == \
+        'Finished training at epoch 2, iteration 50.'
 
 
 def test_resume_continues_at_the_next_iteration_with_the_same_state(trained, tmp_path):

@@ -12,7 +12,9 @@ import posattn
 from posattn import TokenGrid
 from posattn.analysis import collect_attention_maps, measure_attention, nonlocality
 from release_pervit import ReleasePerViT
-from conftest import REPO as ROOT
+from conftest import REPO as ROOT, require_openmmlab
+
+require_openmmlab()  # every test runs tools/analyze.py or imports it
 
 pytestmark = pytest.mark.slow
 
@@ -96,3 +98,10 @@ def test_bad_figure_options_are_refused(option, message, capsys):
     with pytest.raises(SystemExit):
         parse_args(['configs/pervit_t_shapes.py', *option])
     assert message in capsys.readouterr().err
+
+
+def test_figures_are_titled_with_the_config_and_checkpoint_names():
+    from analyze import figure_title
+    assert figure_title('configs/pervit_t_shapes.py', 'work_dirs/pervit_t_shapes/best_accuracy_top1_epoch_9.pth') == \
+        'pervit_t_shapes: best_accuracy_top1_epoch_9.pth'
+    assert figure_title('configs/pervit_t_shapes.py', None) == 'pervit_t_shapes: initialised model (no checkpoint)'

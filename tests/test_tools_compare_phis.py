@@ -8,12 +8,15 @@ from pathlib import Path
 
 import pytest
 
+from conftest import require_openmmlab
+
+require_openmmlab()  # every test imports or runs tools/compare_phis.py
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope='module')
 def tool():
-    pytest.importorskip('posattn_openmmlab')
     sys.path.insert(0, str(ROOT / 'tools'))
     try:
         yield importlib.import_module('compare_phis')
@@ -51,6 +54,20 @@ def test_every_row_config_has_what_the_tool_sets(tool):
                 assert cfg.model.backbone.type == 'PosattnSwappedBackbone', name
                 assert cfg.model.backbone.backbone.init_cfg.prefix == 'backbone.'
                 assert cfg.model.head.init_cfg == dict(type='Pretrained', checkpoint=cfg.pretrained, prefix='head.')
+
+
+def test_a_run_is_read_from_every_log_folder_in_order(tool, tmp_path):
+    """A resumed run has a log folder per start: top-1 per epoch and step times over both, in order."""
+    with pytest.raises(FileNotFoundError, match='no mmengine scalars under'):
+        tool.read_run(tmp_path)
+    logs = {'20260101_100000': [dict(lr=1e-3, loss=1.0, time=9.0, iter=1, step=1), {'accuracy/top1': 50.0, 'step': 1}],
+            '20260101_120000': [dict(lr=1e-3, loss=0.5, time=0.3, iter=2, step=2),
+                                dict(lr=1e-3, loss=0.4, time=0.5, iter=3, step=3), {'accuracy/top1': 90.0, 'step': 2}]}
+    for folder, rows in logs.items():
+        (tmp_path / folder / 'vis_data').mkdir(parents=True)
+        (tmp_path / folder / 'vis_data' / 'scalars.json').write_text(''.join(json.dumps(row) + '\n' for row in rows))
+    run = tool.read_run(tmp_path)
+    assert run == dict(top1_per_epoch=[50.0, 90.0], step_time_s=pytest.approx(0.4))  # the first window skipped
 
 
 def build(tool, row, options=()):

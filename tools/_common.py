@@ -1,9 +1,11 @@
-"""What tools/train.py and tools/test.py share: the config handling common to both, and the runner
-they build (``PosattnRunner``)."""
+"""What the tools share: the config handling common to tools/train.py and tools/test.py, the runner
+they build (``PosattnRunner``), and the scalars mmengine logs in a work dir."""
 import argparse
+import json
 import os
 import os.path as osp
 from pathlib import Path
+from typing import List
 
 import torch
 from mmengine.config import Config, DictAction
@@ -13,6 +15,8 @@ import posattn_openmmlab  # noqa: F401  (the registrations)
 from posattn_openmmlab.runner import PosattnRunner
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# Keys of a logged validation row that are not metrics: its timing, and where it was logged
+LOGGED_NON_METRICS = ('data_time', 'time', 'step')
 
 
 def add_runner_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,3 +75,17 @@ def build_runner(cfg: Config) -> PosattnRunner:
                          f"runner), which tools/train.py and tools/test.py need: use runner_type='PosattnRunner' "
                          f"or a subclass of it")
     return runner_cls.from_cfg(cfg)
+
+
+def logged_scalars(work_dir) -> List[dict]:
+    """The rows mmengine logged in ``work_dir`` (``<timestamp>/vis_data/scalars.json``), every run's in
+    the order the runs started: a training resumed has a folder per start."""
+    rows = []
+    for log in sorted(Path(work_dir).glob('*/vis_data/scalars.json')):
+        rows += [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    return rows
+
+
+def is_validation(row: dict) -> bool:
+    """Whether a logged row holds a validation's metrics (training rows hold the loss and the lr)."""
+    return 'loss' not in row and 'lr' not in row

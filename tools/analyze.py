@@ -5,7 +5,8 @@
 Runs the config's validation images through the model (eval mode, no gradients) and writes to
 ``--out``: ``metrics.json`` (per layer and head: nonlocality Ω of Φp, Φc, Φa; impact Ψp, Ψc;
 peripheral regions; see docs/analysis.md), ``position.png`` (Φp of the centre query, Fig. 4 of
-the paper), ``samples.png`` (Φp, Φc, Φa on a few images, Fig. 6) and ``measures.png`` (Figs. 7, 8).
+the paper), ``samples.png`` (Φp, Φc, Φa on a few images, Fig. 6) and ``measures.png`` (Figs. 7, 8),
+each titled with the config's and the checkpoint's names.
 ``--format pdf`` or ``svg`` writes the figures in that format instead, ``--dpi`` sets their resolution.
 
 The checkpoint may be one that tools/train.py wrote (loaded strictly, as tools/test.py loads it: one
@@ -17,6 +18,7 @@ import argparse
 import itertools
 import json
 from pathlib import Path
+from typing import Optional
 
 import torch
 from mmengine.config import Config, DictAction
@@ -97,17 +99,23 @@ def validation_images(cfg: Config, model, limit: int):
         yield inputs
 
 
-def write_figures(out: Path, images, maps, measures, query, fmt: str, dpi: int):
+def figure_title(config: str, checkpoint: Optional[str]) -> str:
+    """What the figures show the attention of: the config's and the checkpoint's file names."""
+    weights = Path(checkpoint).name if checkpoint else 'initialised model (no checkpoint)'
+    return f'{Path(config).stem}: {weights}'
+
+
+def write_figures(out: Path, images, maps, measures, query, fmt: str, dpi: int, title: Optional[str] = None):
     """position, samples and measures figures as ``out/<name>.<fmt>`` (position only where a layer has
-    a Φp with a logits bias); returns the file names written."""
+    a Φp with a logits bias), each titled ``title``; returns the file names written."""
     figures = []
     if any(m.position is not None for m in maps.values()):
         figures.append(f'position.{fmt}')
-        plot_position_maps(maps, out / figures[-1], query=query, dpi=dpi)
+        plot_position_maps(maps, out / figures[-1], query=query, title=title, dpi=dpi)
     figures.append(f'samples.{fmt}')
-    plot_sample_attention(images, maps, out / figures[-1], query=query, dpi=dpi)
+    plot_sample_attention(images, maps, out / figures[-1], query=query, title=title, dpi=dpi)
     figures.append(f'measures.{fmt}')
-    plot_measures(measures, out / figures[-1], dpi=dpi)
+    plot_measures(measures, out / figures[-1], title=title, dpi=dpi)
     return figures
 
 
@@ -139,7 +147,8 @@ def main(argv=None):
     record = {'config': args.config, 'checkpoint': args.checkpoint, 'num_images': measures[0].num_samples,
               'layers': [m.to_dict() for m in measures]}
     (out / 'metrics.json').write_text(json.dumps(record, indent=1))
-    figures = write_figures(out, shown, maps, measures, query, args.format, args.dpi)
+    figures = write_figures(out, shown, maps, measures, query, args.format, args.dpi,
+                            title=figure_title(args.config, args.checkpoint))
 
     print(f'\nmeans over heads; {measures[0].num_samples} images, grid {measures[0].grid.height}x{measures[0].grid.width}')
     width = max(len(m.name) for m in measures) + 2

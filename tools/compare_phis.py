@@ -37,7 +37,7 @@ from pathlib import Path
 
 from typing import NamedTuple, Optional
 
-from _common import REPO_ROOT
+from _common import REPO_ROOT, logged_scalars
 from mmengine.config import Config, DictAction
 from mmengine.registry import init_default_scope
 
@@ -193,14 +193,14 @@ def measure_nonlocality(row: Row, options: list, run_dir: Path) -> dict:
 def read_run(work_dir: Path) -> dict:
     """Validation top-1 per epoch and mean step time, from the run's mmengine scalars (every log
     folder in time order: a run that was resumed has one per start)."""
-    logs = sorted(work_dir.glob('*/vis_data/scalars.json'))
-    if not logs:
+    rows = logged_scalars(work_dir)
+    if not rows:
         raise FileNotFoundError(f'no mmengine scalars under {work_dir}')
-    rows = [json.loads(line) for log in logs for line in log.read_text().splitlines()]
     accuracy = [row['accuracy/top1'] for row in rows if 'accuracy/top1' in row]
     step_times = [row['time'] for row in rows if 'loss' in row][SKIPPED_LOGGED_WINDOWS:]
     if not accuracy or not step_times:
-        raise ValueError(f'{logs[-1]} has no validation or too few logged iterations to time')
+        raise ValueError(f'the scalars logged under {work_dir} have no validation or too few logged iterations '
+                         'to time')
     # the median over logged windows: a window in which another job took the cores is an outlier
     return dict(top1_per_epoch=accuracy, step_time_s=statistics.median(step_times))
 

@@ -1,8 +1,11 @@
 """Train a model from an mmengine config: ``python tools/train.py configs/pervit_t_shapes.py``.
 
 The arguments of OpenMMLab's ``tools/train.py``; multi-GPU and multi-node through torchrun
-(``tools/dist_train.sh``, ``--launcher pytorch``). Ends by printing the last validation metrics,
-where the checkpoints are, and (for classifiers) the tools/analyze.py command for the checkpoint.
+(``tools/dist_train.sh``, ``--launcher pytorch``). Ends by printing how far the training went (in
+epochs or iterations, what its loop counts), the last validation metrics, where the checkpoints are,
+the training curve it draws into the work_dir (``training_curve.png``: the logged loss per
+iteration and the validation metric per validation) and (for classifiers) the tools/analyze.py
+command for the checkpoint.
 
 Run again in a work_dir that holds a training of the same config, without ``--resume``, it does
 not start that training over beside the old one's files: an unfinished training is resumed from its
@@ -18,21 +21,26 @@ newest checkpoint that reads completely; ``load_from`` and ``--resume`` load str
 ``--partial-load``.
 """
 import argparse
-import json
 import os
 from pathlib import Path
-from typing import Iterator, List
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
-from _common import add_runner_arguments, build_runner, load_config, parse_runner_arguments
+from _common import (LOGGED_NON_METRICS, add_runner_arguments, build_runner, is_validation, load_config,
+                     logged_scalars, parse_runner_arguments)
 from mmengine.config import Config
 from mmengine.dist import is_main_process
-from mmengine.hooks import Hook
+from mmengine.hooks import Hook, LoggerHook
 
-from posattn_openmmlab.runner import find_resumable_checkpoint
+from posattn.analysis import plot_training_curve
+from posattn_openmmlab.runner import ResumePoint, find_resumable_checkpoint
 
 # Config keys that say how a run is launched or started, not what it trains: a training resumed,
 # or launched with another launcher, is still the same training.
 LAUNCH_KEYS = ('work_dir', 'launcher', 'resume', 'load_from', 'env_cfg', 'model_wrapper_cfg')
+# What a training loop counts, by the key of its length in train_cfg: (that key, the checkpoint meta's
+# count of it, its name)
+LOOP_COUNTS = (('max_epochs', 'epoch', 'epochs'), ('max_iters', 'iter', 'iterations'))
+TRAINING_CURVE = 'training_curve.png'
 
 
 def parse_args(argv=None):
@@ -107,18 +115,101 @@ def checkpoint_templates(cfg: Config) -> List[str]:
 
 def last_validation(work_dir: str) -> str:
     """The metrics of the last validation logged in ``work_dir`` (mmengine's scalars of each run)."""
-    for log in sorted(Path(work_dir).glob('*/vis_data/scalars.json'), reverse=True):
-        rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-        validations = [row for row in rows if 'lr' not in row and 'loss' not in row]  # training rows have both
-        if validations:
-            metrics = {k: v for k, v in validations[-1].items() if k not in ('data_time', 'time', 'step')}
-            return ', '.join(f'{k}: {v:.4g}' if isinstance(v, float) else f'{k}: {v}' for k, v in metrics.items())
-    return 'none logged'
+    validations = [row for row in logged_scalars(work_dir) if is_validation(row)]
+    if not validations:
+        return 'none logged'
+    metrics = {k: v for k, v in validations[-1].items() if k not in LOGGED_NON_METRICS}
+    return ', '.join(f'{k}: {v:.4g}' if isinstance(v, float) else f'{k}: {v}' for k, v in metrics.items())
 
 
-def continue_previous_training(cfg: Config) -> bool:
+def loop_count(cfg: Config) -> Optional[Tuple[str, str, str]]:
+    """The :data:`LOOP_COUNTS` entry of the config's training loop; None for a loop that states neither
+    ``max_epochs`` nor ``max_iters``."""
+    train_cfg = cfg.get('train_cfg') or {}
+    return next((count for count in LOOP_COUNTS if count[0] in train_cfg), None)
+
+
+def finished_line(cfg: Config, epochs: int, iterations: int) -> str:
+    """How far a training went, in what its loop counts: epochs (with their iterations) or iterations."""
+    count = loop_count(cfg)
+    if count is None:
+        return f'Finished training at epoch {epochs}, iteration {iterations}.'
+    if count[2] == 'epochs':
+        return f'Finished {epochs} epochs ({iterations} iterations).'
+    return f'Finished {iterations} iterations.'
+
+
+class TrainingHistory(NamedTuple):
+    """What a training curve draws (:func:`~posattn.analysis.plot_training_curve`'s data)."""
+    losses: Dict[int, float]  # {iteration: training loss}
+    validations: Dict[str, Dict[int, float]]  # {metric: {epoch or iteration: value}}
+    validation_unit: str  # what the validations' keys count: 'epoch' or 'iteration'
+
+
+def curve_metrics(cfg: Config, rows: Sequence[dict]) -> List[str]:
+    """The validation metrics a training curve draws: those the checkpoint hook's ``save_best`` names,
+    else (``'auto'`` or unset) the first one logged, the metric mmengine's ``'auto'`` picks."""
+    save_best = ((cfg.get('default_hooks') or {}).get('checkpoint') or {}).get('save_best')
+    named = [name for name in ([save_best] if isinstance(save_best, str) else save_best or []) if name != 'auto']
+    first = next((row for row in rows if is_validation(row)), {})
+    return named or [key for key in first if key not in LOGGED_NON_METRICS][:1]
+
+
+def training_history(rows: Sequence[dict], metrics: Sequence[str], counts_epochs: bool,
+                     metrics_by_epoch: bool) -> TrainingHistory:
+    """The training loss per logged iteration and ``metrics`` per validation, from logged ``rows``
+    (:func:`logged_scalars`, in order).
+
+    An iteration logged twice (a killed run's last ones, trained again after its resume) keeps the
+    later value, and so does a validation. Where a validation is drawn: at its logged step, the
+    epoch where the loop counts epochs (``counts_epochs``) and the LoggerHook logs metrics by epoch
+    (``metrics_by_epoch``, mmengine's default), the iteration where the hook logs them by iteration
+    (``log_metric_by_epoch=False``). An iteration loop whose hook logs metrics by epoch logs the
+    loop's epoch (0 on an infinite sampler) as their step: those validations are drawn at the last
+    training iteration logged before them, at most the logger's interval before they ran.
+    """
+    use_step = counts_epochs or not metrics_by_epoch
+    losses, validations, reached = {}, {name: {} for name in metrics}, 0
+    for row in rows:
+        if not is_validation(row):
+            reached = row.get('iter', row['step'])
+            if 'loss' in row:
+                losses[reached] = row['loss']
+            continue
+        for name in metrics:
+            if name in row:
+                validations[name][row['step'] if use_step else reached] = row[name]
+    return TrainingHistory(losses, validations, 'epoch' if counts_epochs and metrics_by_epoch else 'iteration')
+
+
+def metrics_logged_by_epoch(runner) -> bool:
+    """Whether the runner's LoggerHook logs validation metrics at the epoch (mmengine's default) or
+    at the iteration."""
+    return next((hook.log_metric_by_epoch for hook in runner.hooks if isinstance(hook, LoggerHook)), True)
+
+
+def write_training_curve(cfg: Config, work_dir: str, metrics_by_epoch: bool) -> str:
+    """Draws the training curve of the runs logged in ``work_dir`` to ``work_dir/training_curve.png``;
+    returns the line saying where it is, or why none was drawn."""
+    rows = logged_scalars(work_dir)
+    count = loop_count(cfg)
+    history = training_history(rows, curve_metrics(cfg, rows), count is not None and count[2] == 'epochs',
+                               metrics_by_epoch)
+    if not history.losses and not any(history.validations.values()):
+        return f'Training curve: none drawn, {work_dir} holds no logged loss or validation'
+    path = Path(work_dir) / TRAINING_CURVE
+    try:
+        plot_training_curve(history.losses, history.validations, path, validation_unit=history.validation_unit,
+                            title=Path(cfg.filename).stem if cfg.filename else None)
+    except ImportError as error:  # matplotlib, an optional dependency
+        return f'Training curve: none drawn ({error})'
+    return f'Training curve: {path}'
+
+
+def continue_previous_training(cfg: Config, found: Optional[ResumePoint] = None) -> bool:
     """What this run does about a training of this config already in its work_dir (called when
-    ``--resume`` is not given). Returns False when there is nothing to train.
+    ``--resume`` is not given). Returns False when there is nothing to train. ``found``: what
+    :func:`find_resumable_checkpoint` found there, when the caller has looked already.
 
     * no checkpoint: True, a training from the beginning;
     * the checkpoints of an unfinished training: True, with ``cfg`` set to resume it;
@@ -127,7 +218,8 @@ def continue_previous_training(cfg: Config) -> bool:
       and the choices.
     """
     work_dir = cfg.work_dir
-    found = find_resumable_checkpoint(work_dir, checkpoint_templates(cfg))
+    if found is None:
+        found = find_resumable_checkpoint(work_dir, checkpoint_templates(cfg))
     if found.path is None and found.damaged:
         raise SystemExit(f'{work_dir} holds checkpoints of an earlier training, and none reads completely: '
                          f'{"; ".join(found.damaged)}. To train from the beginning, give another --work-dir or '
@@ -143,9 +235,8 @@ def continue_previous_training(cfg: Config) -> bool:
         raise SystemExit(f'{work_dir} holds a training with other settings than this one ({found.path}):\n  '
                          + '\n  '.join(differences) + f'\nTo train from the beginning, give another --work-dir or '
                          f'delete {work_dir}; to continue from its checkpoints anyway, add --resume.')
-    train_cfg = cfg.get('train_cfg') or {}
-    length = next(((meta.get(step, 0), train_cfg[key], unit) for key, step, unit in
-                   (('max_epochs', 'epoch', 'epochs'), ('max_iters', 'iter', 'iterations')) if key in train_cfg), None)
+    count = loop_count(cfg)
+    length = None if count is None else (meta.get(count[1], 0), cfg.train_cfg[count[0]], count[2])
     if length is None or length[0] < length[1]:  # a loop that states no length carries on
         if is_main_process():
             where = f', at {length[0]} of {length[1]} {length[2]}' if length else ''
@@ -162,6 +253,8 @@ def continue_previous_training(cfg: Config) -> bool:
         print(f'Last checkpoint: {found.path}')
         if hub.get('best_ckpt') is not None:
             print(f'Best checkpoint: {hub["best_ckpt"]} ({hub.get("best_score", float("nan")):.4g})')
+        if (Path(work_dir) / TRAINING_CURVE).is_file():
+            print(f'Training curve: {Path(work_dir) / TRAINING_CURVE}')
         print(f'To train from the beginning, give another --work-dir or delete {work_dir}; to train on from '
               f'{os.path.basename(found.path)} (with a longer schedule), add --resume.')
     return False
@@ -180,20 +273,24 @@ class LastMetrics(Hook):
 def main(argv=None):
     args = parse_args(argv)
     cfg = build_config(args)
-    if args.resume is None and not continue_previous_training(cfg):
+    found = find_resumable_checkpoint(cfg.work_dir, checkpoint_templates(cfg)) if args.resume is None else None
+    if found is not None and not continue_previous_training(cfg, found):
         return
     runner = build_runner(cfg)
+    if found is not None and cfg.resume:  # the unfinished training found above: load what was read there
+        runner.resume_from(found)
     last_metrics = LastMetrics()
     runner.register_hook(last_metrics, priority='LOWEST')
     runner.train()
     if is_main_process():
         hub = runner.message_hub
         results = ', '.join(f'{k}: {v:.4g}' for k, v in last_metrics.metrics.items()) or 'no validation run'
-        print(f'\nFinished {runner.epoch} epochs / {runner.iter} iterations. Last validation: {results}')
+        print(f'\n{finished_line(runner.cfg, runner.epoch, runner.iter)} Last validation: {results}')
         print(f'Last checkpoint: {hub.get_info("last_ckpt", "none saved")}')
         if hub.get_info('best_ckpt') is not None:
             print(f'Best checkpoint: {hub.get_info("best_ckpt")} ({hub.get_info("best_score"):.4g})')
         print(f'Logs: {runner.log_dir}')
+        print(write_training_curve(runner.cfg, runner.work_dir, metrics_logged_by_epoch(runner)))
         checkpoint = hub.get_info('best_ckpt') or hub.get_info('last_ckpt')
         if checkpoint is not None and runner.cfg.get('default_scope') == 'mmpretrain':  # classifiers only
             print(f'What the attention learned (Φp maps, nonlocality, impact; docs/analysis.md):\n'

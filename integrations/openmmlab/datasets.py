@@ -8,11 +8,12 @@ import os
 from typing import Any, List, Mapping, Optional, Union
 
 import numpy as np
+from mmengine.logging import print_log
 from mmpretrain.datasets import BaseDataset, ImageNet
 from mmpretrain.registry import DATASETS
 
 from .data_checks import require_data
-from .shapes import CLASSES, render_shapes
+from .shapes_dataset import CLASSES, render_shapes
 
 __all__ = ['PositionalShapes', 'CheckedImageNet', 'INaturalist2019', 'SubsampledDataset']
 
@@ -25,10 +26,11 @@ INATURALIST_LAYOUT = """  {data_root}/train2019.json, {data_root}/val2019.json  
 
 @DATASETS.register_module()
 class PositionalShapes(BaseDataset):
-    """Two shapes per image, the class says which is left of which (see :mod:`.shapes`).
+    """Two shapes per image, the class says which is left of which (see :mod:`.shapes_dataset`).
 
-    Generated in memory when the dataset is built: deterministic, no files, no download. The
-    train and val splits come from different seeds, so they share no image.
+    Generated in memory when the dataset is built, which logs one line (mmengine's current
+    logger): deterministic, no files, no download. The train and val splits come from different
+    seeds, so they share no image.
 
     Args:
         split: 'train' or 'val'.
@@ -52,8 +54,10 @@ class PositionalShapes(BaseDataset):
         super().__init__(ann_file='', **kwargs)
 
     def load_data_list(self) -> List[dict]:
-        images, labels = render_shapes(self.num_images, self.img_size,
-                                       seed=1000 * self.seed + self.SPLIT_SEEDS[self.split])
+        seed = 1000 * self.seed + self.SPLIT_SEEDS[self.split]
+        print_log(f'Generating the positional shapes {self.split} split in memory: {self.num_images} images of '
+                  f'{self.img_size} x {self.img_size} (seed {seed})', logger='current')
+        images, labels = render_shapes(self.num_images, self.img_size, seed=seed)
         return [dict(img=image, img_shape=image.shape[:2], ori_shape=image.shape[:2], gt_label=int(label))
                 for image, label in zip(images, labels)]
 

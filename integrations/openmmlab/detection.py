@@ -15,8 +15,8 @@ from mmdet.datasets import CocoDataset
 from mmdet.registry import DATASETS
 
 from .data_checks import require_data
-from .dense_shapes import ensure_dense_shapes
-from .shapes import SHAPES
+from .dense_shapes_dataset import ensure_dense_shapes
+from .shapes_dataset import SHAPES
 
 __all__ = ['ShapesCocoDataset', 'CheckedCocoDataset']
 
@@ -28,7 +28,7 @@ COCO_LAYOUT = """  data/coco/annotations/instances_train2017.json, instances_val
 
 @DATASETS.register_module()
 class ShapesCocoDataset(CocoDataset):
-    """Circles, squares and triangles with boxes and masks (:mod:`.dense_shapes`), generated in
+    """Circles, squares and triangles with boxes and masks (:mod:`.dense_shapes_dataset`), generated in
     ``data_root`` on first use and read as COCO.
 
     Args:

@@ -12,8 +12,8 @@ from mmseg.datasets import ADE20KDataset, BaseSegDataset
 from mmseg.registry import DATASETS
 
 from .data_checks import require_data
-from .dense_shapes import ensure_dense_shapes
-from .shapes import SHAPES
+from .dense_shapes_dataset import ensure_dense_shapes
+from .shapes_dataset import SHAPES
 
 __all__ = ['ShapesSegDataset', 'CheckedADE20KDataset']
 
@@ -25,7 +25,7 @@ ADE_LAYOUT = """  data/ade/ADEChallengeData2016/images/training/*.jpg, images/va
 @DATASETS.register_module()
 class ShapesSegDataset(BaseSegDataset):
     """Circles, squares and triangles as label maps (0 background, 1 circle, 2 square, 3 triangle;
-    :mod:`.dense_shapes`), generated in ``data_root`` on first use.
+    :mod:`.dense_shapes_dataset`), generated in ``data_root`` on first use.
 
     Args:
         data_root: folder of the set; generated there when absent.

@@ -1,7 +1,7 @@
 """Scenes of shapes for detection and segmentation, written to disk once and reused.
 
 Each image holds 2 to 5 non-overlapping shapes (circle, square, triangle; the shapes of
-:mod:`.shapes`) of random sizes and colours on a noisy background. One deterministic generator
+:mod:`.shapes_dataset`) of random sizes and colours on a noisy background. One deterministic generator
 writes, for each split, the images and both label formats:
 
     {root}/images/{split}/{index:06d}.png           RGB image
@@ -14,27 +14,30 @@ loaders and metrics. The same arguments give the same bytes on every machine; no
 downloaded. A folder generated with other arguments is never overwritten: building the set again
 with a different ``img_size`` or size raises an error naming the folder.
 
-Generation stages the set in a hidden folder beside ``root`` (``.{name}-*``) and renames it into
-place when complete. A generation that was killed leaves its staging folder behind; the next call
-for the same ``root`` deletes it (:func:`remove_stale_staging`).
+Generating the set logs one line (mmengine's current logger) naming what is generated and where.
+Generation stages the set in a hidden folder beside ``root`` (``.{name}-{pid}-{random}``), made with
+the mode any new folder gets under the umask, and renames it into place when complete. A generation
+that was killed leaves its staging folder behind; the next call for the same ``root`` deletes it
+(:func:`remove_stale_staging`).
 """
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import socket
-import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Tuple
 
 import numpy as np
+from mmengine.logging import print_log
 from PIL import Image
 from pycocotools import mask as mask_utils
 
 from .atomic import process_is_alive
-from .shapes import SHAPES, shape_mask
+from .shapes_dataset import SHAPES, shape_mask
 
 __all__ = ['SPLITS', 'DEFAULT_SIZES', 'CATEGORIES', 'render_scene', 'ensure_dense_shapes', 'remove_stale_staging']
 
@@ -131,6 +134,15 @@ def remove_stale_staging(root: Path) -> List[Path]:
     return removed
 
 
+def _new_staging(root: Path) -> Path:
+    """An empty staging folder for ``root``, beside it. Made with ``mkdir``, so it has the mode of
+    any new folder under the umask (``tempfile.mkdtemp`` makes 0700 ones), which the set keeps once
+    renamed into place."""
+    staging = root.parent / f'.{root.name}-{os.getpid()}-{secrets.token_hex(4)}'
+    staging.mkdir()
+    return staging
+
+
 def ensure_dense_shapes(root: str, img_size: Tuple[int, int] = (128, 192), sizes: Dict[str, int] = None,
                         seed: int = 0) -> Path:
     """The set under ``root``, generated there first if the folder does not hold it yet.
@@ -158,8 +170,11 @@ def ensure_dense_shapes(root: str, img_size: Tuple[int, int] = (128, 192), sizes
     if root_path.parent.is_dir():
         remove_stale_staging(root_path)
     if not root_path.exists():
+        print_log(f'Generating the dense shapes set in {root_path}: {meta["sizes"]["train"]} train and '
+                  f'{meta["sizes"]["val"]} val images of {height} x {width} (seed {seed}), with COCO boxes and '
+                  f'masks and label maps; later runs reuse it', logger='current')
         root_path.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f'.{root_path.name}-', dir=root_path.parent))
+        staging = _new_staging(root_path)
         try:
             (staging / _WRITER).write_text(json.dumps(dict(host=socket.gethostname(), pid=os.getpid(),
                                                            started=time.time())))
