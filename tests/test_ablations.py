@@ -12,7 +12,7 @@ from posattn.grid import TokenGrid
 from posattn.models.pervit import PERVIT_ARCHS, PatchStem, PerViT, PerViTBlock
 from posattn.phi.none import NoPosition
 from posattn.phi.peripheral import PeripheralPhi, peripheral_init
-from conftest import REPO
+from conftest import REPO, needs_openmmlab
 
 TINY = dict(PERVIT_ARCHS['tiny'])
 SMALL_TINY = dict(TINY, depths=(1, 1, 1, 1))  # four blocks, one per stage: fast, every stage boundary kept
@@ -181,10 +181,14 @@ def test_bad_ablation_options_are_named():
         posattn.Attention(32, 4, phi='peg', content=False)
 
 
-def test_options_reach_create_model_and_the_openmmlab_backbone():
+def test_options_reach_create_model():
     model = posattn.create_model('pervit_tiny', num_classes=3, stem='patch', cpe=False, phi_init='conv')
     assert isinstance(model.stem, PatchStem) and isinstance(model.blocks[0].cpe, NoPosition)
     assert model.blocks[5].attn.phi.init == 'conv'
+
+
+@needs_openmmlab
+def test_options_reach_the_openmmlab_backbone():
     from posattn_openmmlab.backbones import PosattnPerViT
     backbone = PosattnPerViT(phi='none', stem='patch', frozen_stages=1)  # freezing without a distance embedding
     assert isinstance(backbone.model.stem, PatchStem) and not phi_parameters(backbone.model)
@@ -234,6 +238,7 @@ def test_every_ablation_config_is_listed():
                                                                                           *TRANSFER])
 
 
+@needs_openmmlab
 @pytest.mark.parametrize('name', sorted(TRANSFER))
 def test_transfer_config_fine_tunes_pervit_m_with_deits_recipe(name):
     from mmengine.config import Config
@@ -290,6 +295,7 @@ def labelled_sample(label):
     return DataSample().set_gt_label(label)
 
 
+@needs_openmmlab
 def test_inaturalist_2019_reads_the_published_layout(tmp_path):
     import json
     from mmengine.registry import init_default_scope
@@ -322,6 +328,7 @@ def test_inaturalist_2019_reads_the_published_layout(tmp_path):
         INaturalist2019(str(tmp_path), split='val')
 
 
+@needs_openmmlab
 def test_subsampled_dataset_keeps_a_seeded_fraction_of_every_class():
     import numpy as np
     from mmpretrain.registry import DATASETS
@@ -346,6 +353,7 @@ def test_subsampled_dataset_keeps_a_seeded_fraction_of_every_class():
             DATASETS.build(dict(type='SubsampledDataset', fraction=fraction, dataset=full))
 
 
+@needs_openmmlab
 @pytest.mark.parametrize('name', sorted(SUBSAMPLED))
 def test_subsampled_config_is_pervit_s_on_part_of_imagenet_for_as_many_images(name):
     from mmengine.config import Config
@@ -387,6 +395,7 @@ def paper_gmac(backbone):
     return counter.get_total_flops() / 2 / 1e9
 
 
+@needs_openmmlab
 @pytest.mark.parametrize('name', sorted(ROWS))
 def test_ablation_config_is_the_base_recipe_plus_its_row_and_trains_a_step(name):
     from mmengine.config import Config

@@ -1,4 +1,5 @@
-"""The code in the docs runs as written."""
+"""The code in the docs runs as written, and gives what the docs say it computes."""
+import copy
 import re
 import textwrap
 from pathlib import Path
@@ -8,6 +9,9 @@ import torch
 
 from posattn import TokenGrid
 from posattn.phi import registry
+from posattn.reference import peripheral_attention, peripheral_position_attention
+
+from conftest import needs_openmmlab
 
 DOCS = Path(__file__).resolve().parents[1] / 'docs'
 
@@ -30,22 +34,33 @@ def test_adding_your_own_phi_example(monkeypatch):
 
 
 def test_position_cache_example():
+    """The cached Φp gives the logits each call computes afresh, on the image it served."""
     import posattn
     (example,) = [block for block in python_blocks(DOCS / 'phi.md') if 'cache_positions' in block]
     model = posattn.create_model('pervit_tiny', num_classes=3)
-    namespace = dict(posattn=posattn, model=model, loader=[torch.randn(1, 3, 64, 64)] * 2)
+    loader = [torch.randn(1, 3, 64, 64) for _ in range(2)]  # the second is served from the cache
+    namespace = dict(posattn=posattn, model=model, loader=loader)
     with torch.no_grad():
         exec(compile(textwrap.dedent(example), 'docs/phi.md', 'exec'), namespace)
+        uncached = model.eval()(loader[-1])
     assert namespace['logits'].shape == (1, 3)
+    torch.testing.assert_close(namespace['logits'], uncached, rtol=1e-5, atol=1e-6)
     assert namespace['cache'].nbytes == 0 and all(
         phi.position_cache is None for phi in model.modules() if isinstance(phi, posattn.PositionalModule))
 
 
 def test_readme_quick_start():
+    """The layer's output is PerViT's peripheral attention (the release's formula, float64)."""
     (example,) = python_blocks(DOCS.parent / 'README.md')
     namespace = {}
     exec(compile(example, 'README.md', 'exec'), namespace)
-    assert namespace['out'].shape == (8, 281, 128)
+    out, layer = namespace['out'], copy.deepcopy(namespace['layer']).double()
+    assert out.shape == (8, 281, 128)
+    with torch.no_grad():
+        phi = peripheral_position_attention(14, 20, layer.phi.weights())  # (4, 280, 280)
+        expected = peripheral_attention(namespace['x'].double(), layer.qkv.weight, layer.qkv.bias, layer.proj.weight,
+                                        layer.proj.bias, 4, phi, num_prefix_tokens=1)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
 
 
 def test_quickstart_example_runs():
@@ -64,8 +79,10 @@ def swap_families():
     for line in (DOCS / 'swap.md').read_text().splitlines():
         cells = [cell.strip() for cell in line.strip().strip('|').split('|')]
         if len(cells) == 4 and cells[2] in ('yes', 'refused'):
-            rows.append(pytest.param(cells[1].strip('`'), cells[2] == 'yes', cells[3].replace('`', ''),
-                                     id=cells[0].replace('`', '')))
+            example = cells[1].strip('`')
+            rows.append(pytest.param(example, cells[2] == 'yes', cells[3].replace('`', ''),
+                                     id=cells[0].replace('`', ''),
+                                     marks=[needs_openmmlab] if example.startswith('mm') else []))
     return rows
 
 
@@ -80,10 +97,10 @@ def test_swap_families_table(example, swapped, reason):
     from posattn.swap import swap_attention
     namespace = {'timm': pytest.importorskip('timm'), 'torchvision': pytest.importorskip('torchvision')}
     if example.startswith('mm'):
-        pytest.importorskip('posattn_openmmlab')
-        namespace.update({name: pytest.importorskip(name) for name in ('mmpretrain', 'mmseg', 'mmdet')})
+        importlib.import_module('posattn_openmmlab')  # adds the OpenMMLab families to swap_attention
         for name in ('mmpretrain.models', 'mmseg.models.backbones', 'mmdet.models.backbones'):
             importlib.import_module(name)  # the names the examples use
+        namespace.update({name: importlib.import_module(name) for name in ('mmpretrain', 'mmseg', 'mmdet')})
     model = torch.nn.Sequential(eval(example, namespace))
     if not swapped:
         with pytest.raises((TypeError, ValueError)) as refusal:

@@ -1,19 +1,24 @@
 """Inputs that are accepted must be right, and the rest must fail with an error that helps: grid
-sizes, biases and key masks, pickling, checkpoint files, scripting, and the analysis of windowed
-models."""
+sizes, degenerate grids, biases and key masks, pickling, checkpoint files, scripting, and the
+analysis of windowed models."""
 import copy
 import io
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import posattn
 from posattn import Attention, TokenGrid
 from posattn.analysis import collect_attention_maps
 from posattn.functional import attention_probs, biased_attention
 from posattn.models.pervit import PerViT
+from posattn.reference import (irpe_attention, irpe_bucket_ids, peripheral_attention, peripheral_position_attention,
+                               softmax_attention)
 from posattn.window import GridWindows
+
+from conftest import randomise_peripheral
 
 
 @pytest.mark.parametrize('hw', [(4.9, 5.9), '45', (True, True), (4, 5.0), (torch.tensor(4.0), 5)])
@@ -28,6 +33,66 @@ def test_integer_like_grid_sizes_are_accepted(hw):
     layer = Attention(16, 2)
     assert layer(torch.randn(2, 20, 16), hw).shape == (2, 20, 16)
     assert TokenGrid.of(hw) == TokenGrid(4, 5)
+
+
+# iRPE on q, k and v (contextual mode): its logits terms and its value term.
+DEGENERATE_PHI_CFGS = {'none': {}, 'peg': {}, 'peripheral': {}, 'irpe': dict(mode='ctx', on='qkv', num_prefix_tokens=1)}
+
+
+def drawn_layer(phi, seed):
+    """A float64 layer with a class token and every parameter drawn (the peripheral Φp's at the
+    scales of conftest.randomise_peripheral, where its Φp stays representable)."""
+    layer = Attention(16, 2, phi=phi, num_prefix_tokens=1, phi_cfg=DEGENERATE_PHI_CFGS[phi]).double()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float64) * 0.5)
+    if phi == 'peripheral':
+        randomise_peripheral(layer.phi, seed)
+    return layer
+
+
+def peg_on_a_line(x, weight, bias, height, width):
+    """CPVT's PEG, tokens + depthwise 3 x 3 convolution with zero padding, written out for a grid one
+    token high or one token wide, where only the kernel's middle row (column) meets a token."""
+    kernel = weight[:, 0, 1, :] if height == 1 else weight[:, 0, :, 1]  # (C, 3)
+    tokens = x[:, 1:]  # (B, H*W, C)
+    padded = F.pad(tokens, (0, 0, 1, 1))  # a zero token before the first and after the last
+    conv = sum(padded[:, i:i + tokens.shape[1]] * kernel[:, i] for i in range(3)) + bias
+    return torch.cat([x[:, :1], tokens + conv], 1)
+
+
+def reference_output(phi, layer, x, height, width):
+    """``layer(x, (height, width))`` by the plain float64 formulas of posattn.reference."""
+    weights = (layer.qkv.weight, layer.qkv.bias, layer.proj.weight, layer.proj.bias, layer.num_heads)
+    if phi == 'peripheral':
+        position = peripheral_position_attention(height, width, layer.phi.weights())
+        return peripheral_attention(x, *weights, position, num_prefix_tokens=1)
+    if phi == 'irpe':
+        tables = {target: [getattr(layer.phi, f'rpe_{target}').lookup_table_weight] for target in 'qkv'}
+        ids = irpe_bucket_ids(height, width, 1, layer.phi.method, layer.phi.ratio)
+        return irpe_attention(x, *weights, tables, ids, 'ctx')
+    if phi == 'peg':
+        x = peg_on_a_line(x, layer.phi.proj.weight, layer.phi.proj.bias, height, width)
+    return softmax_attention(x, *weights)
+
+
+@pytest.mark.parametrize('height,width', [(1, 1), (1, 7), (7, 1)])
+@pytest.mark.parametrize('phi', sorted(DEGENERATE_PHI_CFGS))
+def test_degenerate_grids_give_the_reference_values_and_gradients(phi, height, width):
+    """One token, one row, one column: every Φp's output and its gradients in the input and every
+    parameter equal the plain formulas' (float64)."""
+    layer = drawn_layer(phi, seed=10 * height + width)
+    x = torch.randn(2, 1 + height * width, 16, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(2, 1 + height * width, 16, dtype=torch.float64)
+    leaves = [x, *layer.parameters()]
+    out, expected = layer(x, (height, width)), reference_output(phi, layer, x, height, width)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+    got = torch.autograd.grad(out, leaves, upstream, allow_unused=True)
+    want = torch.autograd.grad(expected, leaves, upstream, allow_unused=True)
+    for leaf, g, w in zip(leaves, got, want):
+        g, w = (torch.zeros_like(leaf) if t is None else t for t in (g, w))
+        torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-10)
 
 
 @pytest.mark.parametrize('kernel', [biased_attention, attention_probs])

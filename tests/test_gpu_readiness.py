@@ -22,6 +22,8 @@ from posattn import functional
 from posattn._cache import grid_constant
 from posattn.functional import attention_probs, biased_attention
 
+from conftest import needs_openmmlab
+
 NUM_CLASSES = 6
 
 
@@ -238,7 +240,7 @@ BF16_RELATIVE_TOLERANCE = 2 * 2.0 ** -8
 def shapes_losses(autocast):
     """The per-step losses of PerViT-T trained for ``STEPS`` steps on the embedded shapes set (64 x 64,
     the shapes configs' normalisation, AdamW at their learning rate), same seed and batches."""
-    from posattn_openmmlab.shapes import render_shapes
+    from posattn_openmmlab.shapes_dataset import render_shapes
     images, labels = render_shapes(STEPS * BATCH, img_size=64, seed=0)
     images = (torch.from_numpy(images).permute(0, 3, 1, 2).float() - 127.5) / 64.0
     labels = torch.from_numpy(labels)
@@ -260,6 +262,7 @@ def shapes_losses(autocast):
 
 
 @pytest.mark.slow
+@needs_openmmlab  # the embedded shapes set
 def test_bf16_autocast_tracks_fp32_losses():
     fp32, fp32_dtypes = shapes_losses(autocast=False)
     bf16, bf16_dtypes = shapes_losses(autocast=True)

@@ -11,7 +11,7 @@ from mmengine.config import Config
 from mmpretrain.registry import DATASETS, MODELS
 
 import posattn_openmmlab  # noqa: F401
-from posattn_openmmlab.shapes import CLASSES, PAIRS, SHAPES, render_shapes, shape_mask
+from posattn_openmmlab.shapes_dataset import CLASSES, PAIRS, SHAPES, render_shapes, shape_mask
 from conftest import REPO
 
 
@@ -47,13 +47,17 @@ def test_shapes_configs_share_one_budget_and_differ_only_in_the_model():
 
 @pytest.mark.parametrize('name', CONFIGS)
 def test_config_parses_builds_and_runs_at_a_non_224_size(name):
+    """The classifier (backbone outputs, neck, head) gives the logits of posattn's own model with its
+    weights: the head's linear layer on the features the posattn model pools itself."""
     cfg = Config.fromfile(REPO / 'configs' / name)
     model = MODELS.build(cfg.model).eval()
     num_classes = cfg.model.head.num_classes
     images = torch.randn(2, 3, 96, 128)
     with torch.no_grad():
         logits = model(images, mode='tensor')
+        expected = model.head.fc(model.backbone.model(images))  # (2, num_classes)
     assert logits.shape == (2, num_classes) and torch.isfinite(logits).all()
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
     assert cfg.default_scope == 'mmpretrain' and 'posattn_openmmlab' in cfg.custom_imports.imports
 
 

@@ -13,6 +13,8 @@ from posattn.models.pervit import PerViT
 from posattn.phi.peripheral import (DistanceEmbedding, LearnedEmbedding, PeripheralPhi, design_log_attention,
                                     distance_canvas)
 
+from conftest import needs_openmmlab
+
 DESIGNS = list(itertools.product(['euc', 'lrn'], [True, False], [True, False]))  # embedding, N, ML
 EPS = 1e-5
 
@@ -120,7 +122,7 @@ def test_learned_embedding_starts_as_the_distance_embedding():
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_designs_train_in_pervit_and_reach_create_model_and_the_backbone():
+def test_designs_train_in_pervit_and_reach_create_model():
     for embedding, neighbourhood, multi_layer in DESIGNS:
         torch.manual_seed(0)
         model = PerViT(embed_dims=(32, 32), depths=(1, 1), num_heads=4, stem_dims=(8, 16), num_classes=3,
@@ -133,12 +135,16 @@ def test_designs_train_in_pervit_and_reach_create_model_and_the_backbone():
         assert all(p.grad is not None for p in model.parameters())
     model = posattn.create_model('pervit_tiny', num_classes=0, phi_embedding='lrn', phi_multi_layer=False)
     assert model.blocks[3].attn.phi.design == 'Lrn + N'
+    rand = PerViT(embed_dims=(32,), depths=(2,), num_heads=4, stem_dims=(8,), phi_embedding='lrn', phi_init='rand')
+    assert rand.distance_embedding.table.std() > 0.5  # drawn, not the -0.02 ||offset|| start
+
+
+@needs_openmmlab
+def test_designs_reach_the_openmmlab_backbone():
     from posattn_openmmlab.backbones import PosattnPerViT
     backbone = PosattnPerViT(phi_embedding='lrn', phi_neighbourhood=False)
     assert backbone.model.blocks[0].attn.phi.design == 'Lrn + ML'
     assert backbone(torch.randn(1, 3, 48, 32))[0].shape == (1, 280, 3, 2)
-    rand = PerViT(embed_dims=(32,), depths=(2,), num_heads=4, stem_dims=(8,), phi_embedding='lrn', phi_init='rand')
-    assert rand.distance_embedding.table.std() > 0.5  # drawn, not the -0.02 ||offset|| start
 
 
 def test_bad_designs_are_named():

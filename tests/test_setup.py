@@ -43,7 +43,7 @@ def test_mmcv_build_requirements_resolve_with_the_torch_pins(empty_python):
 @pytest.mark.slow
 @pytest.mark.environment
 def test_dry_run_fails_on_a_build_requirement_that_conflicts_with_torch(empty_python):
-    # What the build once asked for: setuptools < 70 beside torch 2.14.1 (which needs >= 77.0.3).
+    # A build requirement that torch 2.14.1 rules out: setuptools < 70 (torch needs >= 77.0.3).
     result = dry_run(empty_python, torch_pins='torch==2.14.1 torchvision==0.29.1 setuptools<70')
     assert result.returncode != 0
     assert 'ResolutionImpossible' in result.stderr or 'conflicting dependencies' in result.stderr

@@ -75,18 +75,21 @@ def test_a_copy_follows_its_own_inputs():
 
 
 def test_fine_tuning_a_swapped_model_lowers_the_loss():
+    """Overfitting one fixed batch: after 15 AdamW steps the loss is below half its start (0.27-0.32
+    of it over four seeds of model and batch), a drop no rounding difference between machines can undo."""
     torch.manual_seed(0)
     model = swap_attention(small_timm_vit(), phi='peripheral').train()
-    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 5, (8,))
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 3, 32, 32, generator=generator), torch.randint(0, 5, (8,), generator=generator)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
-    for _ in range(8):
+    for _ in range(16):
         loss = nn.functional.cross_entropy(model(x), y)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    assert losses[-1] < 0.7 * losses[0]
+    assert losses[-1] < 0.5 * losses[0], losses
     assert model.blocks[0].attn.phi.proj2_weight.grad.abs().sum() > 0
 
 

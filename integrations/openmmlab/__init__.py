@@ -36,12 +36,18 @@ mmcv's ops.
 
 The detection and segmentation datasets live in their own modules, imported by the configs that
 use them, so that classification needs neither mmdet nor mmseg: :mod:`.detection` registers
-``ShapesCocoDataset`` (the embedded dense shapes set, :mod:`.dense_shapes`) and
+``ShapesCocoDataset`` (the embedded dense shapes set, :mod:`.dense_shapes_dataset`) and
 ``CheckedCocoDataset`` in mmdet's ``DATASETS``, :mod:`.segmentation` registers
 ``ShapesSegDataset`` and ``CheckedADE20KDataset`` in mmseg's.
 """
 import importlib
 import pkgutil
+
+try:
+    import mmengine  # noqa: F401
+except ImportError as error:
+    raise ImportError("posattn_openmmlab needs OpenMMLab (mmengine, mmcv, mmpretrain, mmdet, mmseg): install "
+                      "posattn's 'mm' extra and mmcv as README.md and docs/openmmlab.md describe") from error
 
 from .backbones import PosattnPerViT, PosattnViT
 from .checkpoint import posattn_checkpoint_loading
