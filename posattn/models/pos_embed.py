@@ -44,8 +44,8 @@ def resample_abs_pos_embed(pos_embed: torch.Tensor, new_size: Sequence[int], old
     if old_size[0] * old_size[1] != num_grid_tokens:
         raise ValueError(f'a position embedding of {num_grid_tokens} grid tokens is not a '
                          f'{old_size[0]}x{old_size[1]} grid')
-    if old_size == new_size:
-        return pos_embed
+    if not torch.compiler.is_compiling() and old_size == new_size:
+        return pos_embed  # traced, the resampling stays: an identity here, and no guard on the grid's size
     prefix, grid = pos_embed.split([num_prefix_tokens, num_grid_tokens], dim=1)
     grid = rearrange(grid.float(), 'b (h w) c -> b c h w', h=old_size[0], w=old_size[1])
     grid = F.interpolate(grid, size=new_size, mode='bicubic', align_corners=False, antialias=True)
