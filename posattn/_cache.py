@@ -208,8 +208,8 @@ def cache_positions(model: torch.nn.Module, max_bytes: int = 1 << 30) -> Iterato
             for images in loader:
                 logits = model(images)
 
-    Inside the block, a Φp whose bias does not depend on the tokens (``peripheral``, ``irpe`` in
-    bias mode) computes it once per grid, dtype and device and serves it again while its weights
+    Inside the block, a Φp whose bias does not depend on the tokens (``peripheral``, ``rpb``,
+    ``alibi``, ``irpe`` in bias mode) computes it once per grid, dtype and device and serves it again while its weights
     are unchanged (:class:`PositionCache` says what it checks). Leaving the block detaches and
     empties the cache, freeing its memory; ``cache.clear()`` empties it inside. Outside such a
     block nothing is cached: every call computes its bias.

@@ -12,7 +12,7 @@ peripheral Φp's as a :class:`~posattn.phi.peripheral.PeripheralWeights`.
 from __future__ import annotations
 
 import math
-from typing import List, Mapping, Optional, Sequence
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from .phi.peripheral import PeripheralWeights
 
 __all__ = ['padded_coordinates', 'peripheral_position_attention', 'peripheral_attention',
-           'softmax_attention', 'irpe_bucket_ids', 'irpe_attention']
+           'softmax_attention', 'irpe_bucket_ids', 'irpe_attention', 'bicubic_resize', 'relative_position_bias',
+           'alibi_bias']
 
 PADDING = 2  # PerViT pads the key grid by two rows and columns on every side
 NORM_EPS = 1e-5
@@ -195,3 +196,77 @@ def irpe_attention(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: Optional
         per_pair = table.expand(num_heads, *table.shape[1:])[:, table_ids]  # (heads, N, N, d)
         out = out + torch.einsum('bhij,hijd->bhid', attn, per_pair)
     return F.linear(_merge_heads(out), proj_weight, proj_bias)
+
+
+CUBIC_A = -0.75  # Keys' cubic convolution parameter, PyTorch's (and OpenCV's) bicubic
+
+
+def _cubic_weight(distance: float) -> float:
+    """Keys' cubic convolution kernel at ``distance`` from a sample, a = -0.75."""
+    x, a = abs(distance), CUBIC_A
+    if x <= 1:
+        return ((a + 2) * x - (a + 3)) * x * x + 1
+    if x < 2:
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return 0.0
+
+
+def _cubic_taps(out_index: int, in_size: int, out_size: int) -> List[Tuple[int, float]]:
+    """The 4 (input index, weight) pairs of output ``out_index``: source coordinate
+    (o + 1/2) in / out - 1/2 (half-pixel centres, ``align_corners=False``), indices clamped to the border."""
+    source = (out_index + 0.5) * in_size / out_size - 0.5
+    first = math.floor(source)
+    return [(min(max(index, 0), in_size - 1), _cubic_weight(source - index)) for index in range(first - 1, first + 3)]
+
+
+def bicubic_resize(canvas: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
+    """``canvas`` (C, h, w) resampled to (C, *size), one output value at a time, as
+    ``F.interpolate(mode='bicubic', align_corners=False)`` computes it: the 4 x 4 nearest samples
+    weighted by Keys' cubic convolution (a = -0.75) along each axis."""
+    height, width = size
+    out = canvas.new_zeros(canvas.shape[0], height, width)
+    for y in range(height):
+        for x in range(width):
+            for row, row_weight in _cubic_taps(y, canvas.shape[1], height):
+                for col, col_weight in _cubic_taps(x, canvas.shape[2], width):
+                    out[:, y, x] += row_weight * col_weight * canvas[:, row, col]
+    return out
+
+
+def relative_position_bias(table: torch.Tensor, table_size: Sequence[int], height: int, width: int,
+                           num_prefix_tokens: int = 0) -> torch.Tensor:
+    """The learned relative position bias of Swin (Liu et al. 2021, Sec. 3.2) and BEiT (Bao et al.
+    2022) on an H x W grid, pair by pair: (heads, N, N), [head, query, key], N = num_prefix_tokens + H W.
+
+    ``table`` is timm's ``relative_position_bias_table`` ((2h - 1)(2w - 1) [+ 3], heads) of a
+    ``table_size`` (h, w) grid, row (dy + h - 1)(2w - 1) + dx + w - 1 for the offset (dy, dx) =
+    query minus key; on a grid of another size the (2h - 1) x (2w - 1) offsets are resampled to
+    (2H - 1) x (2W - 1) (:func:`bicubic_resize`). A pair with a prefix token reads BEiT's extra rows
+    (prefix query and grid key, grid query and prefix key, two prefix tokens), or gets 0 without them.
+    """
+    table_height, table_width = table_size
+    offsets = (2 * table_height - 1) * (2 * table_width - 1)
+    canvas = table[:offsets].t().reshape(-1, 2 * table_height - 1, 2 * table_width - 1)
+    if (height, width) != (table_height, table_width):
+        canvas = bicubic_resize(canvas, (2 * height - 1, 2 * width - 1))
+    extra = table[offsets:]
+    prefix = num_prefix_tokens
+    tokens = prefix + height * width
+    bias = table.new_zeros(table.shape[1], tokens, tokens)
+    for i in range(tokens):
+        for j in range(tokens):
+            if i >= prefix and j >= prefix:
+                dy = (i - prefix) // width - (j - prefix) // width
+                dx = (i - prefix) % width - (j - prefix) % width
+                bias[:, i, j] = canvas[:, dy + height - 1, dx + width - 1]
+            elif len(extra):
+                bias[:, i, j] = extra[0 if i < prefix <= j else 1 if j < prefix <= i else 2]
+    return bias
+
+
+def alibi_bias(num_heads: int, height: int, width: int) -> torch.Tensor:
+    """2D ALiBi (Press et al. 2022; CROMA, Fuller et al. 2023) on an H x W grid, pair by pair:
+    -m_h ||p_i - p_j||_2 with m_h = 2^(-8 (h + 1) / heads), (heads, H W, H W) float64 over the grid pairs."""
+    positions = [(row, col) for row in range(height) for col in range(width)]
+    return torch.tensor([[[-2.0 ** (-8.0 * (h + 1) / num_heads) * math.hypot(p[0] - q[0], p[1] - q[1])
+                           for q in positions] for p in positions] for h in range(num_heads)], dtype=torch.float64)

@@ -69,7 +69,7 @@ def test_quickstart_example_runs():
     script = DOCS.parent / 'examples' / 'quickstart.py'
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert 'Φp registered: irpe, none, peg, peripheral' in result.stdout
+    assert f'Φp registered: {", ".join(registry.list_phis())}' in result.stdout
     assert 'layer 0: Φp from' in result.stdout
 
 

@@ -1,0 +1,163 @@
+"""``rpb``: a learned relative position bias table per head, as in Swin (Liu et al., ICCV 2021,
+Sec. 3.2, "Relative position bias") and BEiT (Bao et al., ICLR 2022).
+
+A grid pair (i, j) with offset (dy, dx) = p_i - p_j (query minus key, in rows and columns) reads
+
+    b[h, i, j] = B[h, dy + H - 1, dx + W - 1]
+
+from a table B of the (2H - 1) x (2W - 1) offsets of an H x W grid, one value per head. With
+prefix (class) tokens, BEiT's three more entries per head: one for a prefix query and a grid key,
+one for a grid query and a prefix key, one for two prefix tokens. The parameter is timm's
+``relative_position_bias_table``, ((2H - 1)(2W - 1) [+ 3], heads), row (dy + H - 1)(2W - 1) +
+dx + W - 1 then the three extra rows in that order, so a timm Swin or BEiT table copies as is.
+
+The table is learned for one grid, ``table_size``; on a grid of another size it is resampled per
+head to (2H - 1) x (2W - 1) offsets by bicubic interpolation (``align_corners=False``), what Swin's
+release does to fine-tune at another window size (timm's ``resize_rel_pos_bias_table_simple``).
+The resampling runs in the forward pass, so the learned table stays at its size and receives the
+gradient of every grid; the extra entries are not resampled. The formulas, pair by pair:
+:func:`posattn.reference.relative_position_bias` and :func:`posattn.reference.bicubic_resize`.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from .._cache import grid_constant
+from ..grid import TokenGrid, _is_integer
+from .base import PositionalModule
+from .registry import register_phi
+
+__all__ = ['RelativePositionBias', 'relative_position_index', 'num_offsets']
+
+NUM_PREFIX_ENTRIES = 3  # BEiT's prefix query -> grid key, grid query -> prefix key, prefix -> prefix
+
+
+def num_offsets(height: int, width: int) -> int:
+    """Relative offsets (dy, dx) between two tokens of an H x W grid: (2H - 1)(2W - 1)."""
+    return (2 * height - 1) * (2 * width - 1)
+
+
+@grid_constant(max_bytes=256 << 20)
+def relative_position_index(height: int, width: int, num_prefix_tokens: int,
+                            device: torch.device = torch.device('cpu')) -> torch.Tensor:
+    """Row of the flat table that every (query, key) pair reads: (N, N) int64, N = num_prefix_tokens
+    + H * W, indexed [query, key]; cached.
+
+    A grid pair reads (dy + H - 1)(2W - 1) + dx + W - 1. With D = (2H - 1)(2W - 1) offsets, a
+    prefix query with a grid key reads D, a grid query with a prefix key D + 1, two prefix tokens
+    D + 2 (BEiT's order). A pure function of its arguments, which are the cache key.
+    """
+    rows, cols = TokenGrid(height, width).positions(device)
+    offset_rows = rows[:, None] - rows[None] + height - 1  # (HW, HW) query minus key, shifted to >= 0
+    offset_cols = cols[:, None] - cols[None] + width - 1
+    grid_ids = offset_rows * (2 * width - 1) + offset_cols
+    prefix = num_prefix_tokens
+    if prefix == 0:
+        return grid_ids
+    first = num_offsets(height, width)
+    ids = torch.full((prefix + height * width,) * 2, first + 2, dtype=torch.long, device=device)
+    ids[:prefix, prefix:] = first
+    ids[prefix:, :prefix] = first + 1
+    ids[prefix:, prefix:] = grid_ids
+    return ids
+
+
+def _table_size(table_size: Sequence[int]) -> Tuple[int, int]:
+    """``table_size`` as an (H, W) pair of ints >= 1, or a ValueError saying what it takes."""
+    try:
+        height, width = table_size
+    except (TypeError, ValueError):
+        height = width = None
+    if not (_is_integer(height) and _is_integer(width) and height >= 1 and width >= 1):
+        raise ValueError(f'rpb table_size must be a (height, width) pair of ints >= 1, the grid the table '
+                         f'is learned for, e.g. (14, 14); got {table_size!r}')
+    return int(height), int(width)
+
+
+@register_phi('rpb')
+class RelativePositionBias(PositionalModule):
+    """A learned bias per head and relative offset (module docstring); zero at init.
+
+    The table starts at zero, as BEiT's does (Swin draws it from a normal of std 0.02, truncated):
+    at init the layer is exactly the layer without the Φp, so swapping it into a trained model
+    keeps the model's outputs.
+
+    Args:
+        num_heads: attention heads: one table column each.
+        table_size: (H, W) of the grid the table is learned for: (2H - 1)(2W - 1) offsets. Another
+            grid reads it resampled bicubically (module docstring). (14, 14) is a 224 px image in
+            16 px patches.
+        prefix_entries: with prefix tokens, BEiT's three learned entries per head for the pairs
+            that involve one (the table then has 3 more rows); False gives those pairs no bias
+            (0). Without prefix tokens there is nothing to learn for them, and the table has no
+            extra rows (Swin's layout).
+        num_prefix_tokens: extra tokens before the grid; the attention layer's own count.
+    """
+
+    def __init__(self, num_heads: int, table_size: Sequence[int] = (14, 14), prefix_entries: bool = True,
+                 num_prefix_tokens: int = 0):
+        super().__init__()
+        if not _is_integer(num_heads) or num_heads < 1:
+            raise ValueError(f'rpb num_heads must be an int >= 1, got {num_heads!r}')
+        if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
+            raise ValueError(f'rpb num_prefix_tokens (extra tokens before the grid) must be an int >= 0, '
+                             f'got {num_prefix_tokens!r}')
+        if not isinstance(prefix_entries, bool):
+            raise ValueError(f'rpb prefix_entries must be True or False, got {prefix_entries!r}')
+        self.num_heads = int(num_heads)
+        self.table_size = _table_size(table_size)
+        self.prefix_entries = prefix_entries
+        self.num_prefix_tokens = num_prefix_tokens
+        self.num_extra_entries = NUM_PREFIX_ENTRIES if prefix_entries and num_prefix_tokens > 0 else 0
+        rows = num_offsets(*self.table_size) + self.num_extra_entries
+        self.relative_position_bias_table = nn.Parameter(torch.zeros(rows, self.num_heads))  # timm's layout
+
+    def offset_table(self, height: int, width: int) -> torch.Tensor:
+        """The bias of every offset of an H x W grid, (heads, 2H - 1, 2W - 1), [h, dy + H - 1, dx + W - 1]:
+        the table resampled bicubically, which gives the learned table itself on a grid of its size.
+
+        The resampling runs whatever the size, and is exact there (every sample falls on a learned
+        value): a test of the size would fix the grid of a graph traced by ``torch.export``.
+        """
+        table_height, table_width = self.table_size
+        learned = self.relative_position_bias_table[:num_offsets(table_height, table_width)]
+        canvas = rearrange(learned, '(y x) h -> h y x', y=2 * table_height - 1)  # (heads, 2H_t - 1, 2W_t - 1)
+        return F.interpolate(canvas[None], size=(2 * height - 1, 2 * width - 1), mode='bicubic',
+                             align_corners=False)[0]
+
+    def _grid(self, grid: TokenGrid) -> TokenGrid:
+        if grid.num_prefix_tokens != self.num_prefix_tokens:
+            raise ValueError(f'rpb built with num_prefix_tokens={self.num_prefix_tokens} got a {grid}: build it '
+                             f'with num_prefix_tokens={grid.num_prefix_tokens}, the number of extra tokens')
+        return grid
+
+    def logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
+        """b[h, i, j] of the module docstring: (1, heads, N, N) in q's dtype, on q's device."""
+        grid = self._grid(grid)
+        if self.position_cache is not None:  # the bias depends on the table alone
+            return self.position_cache.get(self, (grid, q.dtype, q.device), (self.relative_position_bias_table,),
+                                           lambda: self.position_bias(grid, q.dtype, q.device))
+        return self.position_bias(grid, q.dtype, q.device)
+
+    def position_bias(self, grid: TokenGrid, dtype: Optional[torch.dtype] = None,
+                      device: Optional[torch.device] = None) -> torch.Tensor:
+        """The bias on ``grid`` (1, heads, N, N), in ``dtype`` (the table's by default)."""
+        grid = self._grid(grid)
+        device = device or self.relative_position_bias_table.device
+        per_offset = self.offset_table(grid.height, grid.width).flatten(1)  # (heads, (2H-1)(2W-1))
+        if self.num_extra_entries:
+            extra = self.relative_position_bias_table[-self.num_extra_entries:].t()  # (heads, 3)
+            ids = relative_position_index(grid.height, grid.width, grid.num_prefix_tokens, device)
+            bias = torch.cat([per_offset, extra], 1)[:, ids]  # (heads, N, N)
+        else:
+            bias = grid.pad_prefix(per_offset[:, relative_position_index(grid.height, grid.width, 0, device)])
+        return bias.unsqueeze(0).to(dtype or bias.dtype)
+
+    def extra_repr(self) -> str:
+        return (f'num_heads={self.num_heads}, table_size={self.table_size}, prefix_entries={self.prefix_entries}, '
+                f'num_prefix_tokens={self.num_prefix_tokens}')

@@ -1,0 +1,163 @@
+"""alibi: 2D ALiBi against the float64 formula, its slopes, training, compile, the position cache,
+the meta device, errors."""
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call, grad, stack_module_state, vmap
+
+import posattn
+from posattn import Attention, TokenGrid
+from posattn.phi.alibi import ALiBi2D, alibi_slopes
+from posattn.reference import alibi_bias, softmax_attention
+
+GRIDS = [(3, 5), (4, 7)]
+
+
+def bias_of(phi, height, width, prefix, dtype=torch.float64):
+    tokens = prefix + height * width
+    return phi(torch.zeros(1, phi.num_heads, tokens, 8, dtype=dtype), None, TokenGrid(height, width, prefix))
+
+
+@pytest.mark.parametrize('height,width', GRIDS)
+@pytest.mark.parametrize('prefix', [0, 1, 2])
+def test_bias_matches_the_float64_formula(height, width, prefix):
+    """-m_h ||p_i - p_j|| over grid pairs, zero wherever a prefix token is."""
+    phi = posattn.build_phi('alibi', num_heads=6)
+    got = bias_of(phi, height, width, prefix)[0]
+    tokens = prefix + height * width
+    assert got.shape == (6, tokens, tokens) and got.dtype == torch.float64
+    torch.testing.assert_close(got[:, prefix:, prefix:], alibi_bias(6, height, width), rtol=0, atol=1e-14)
+    assert torch.all(got[:, :prefix] == 0) and torch.all(got[:, :, :prefix] == 0)
+
+
+@pytest.mark.parametrize('height,width', GRIDS)
+@pytest.mark.parametrize('prefix', [0, 1])
+def test_layer_output_matches_softmax_attention_with_the_bias(height, width, prefix):
+    torch.manual_seed(0)
+    layer = Attention(24, 3, phi='alibi', num_prefix_tokens=prefix).double()
+    x = torch.randn(2, prefix + height * width, 24, dtype=torch.float64)
+    with torch.no_grad():
+        expected = softmax_attention(x, layer.qkv.weight, layer.qkv.bias, layer.proj.weight, layer.proj.bias, 3,
+                                     alibi_bias(3, height, width), num_prefix_tokens=prefix)
+        torch.testing.assert_close(layer(x, (height, width)), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_slopes_are_alibis_geometric_sequence():
+    """8 heads: 1/2, 1/4, ..., 1/256 (the ALiBi paper's example); n heads start at 2^(-8/n), same ratio."""
+    torch.testing.assert_close(alibi_slopes(8, torch.float64), 0.5 ** torch.arange(1, 9, dtype=torch.float64),
+                               rtol=0, atol=1e-15)
+    slopes = posattn.build_phi('alibi', num_heads=3).slopes
+    expected = torch.tensor([2 ** (-8 / 3), 2 ** (-16 / 3), 2 ** -8])
+    torch.testing.assert_close(slopes, expected, rtol=1e-7, atol=0)
+
+
+def test_neighbours_and_diagonals_in_grid_units():
+    bias = bias_of(posattn.build_phi('alibi', num_heads=1), 2, 3, 0)[0, 0]  # slope 2^-8
+    assert bias[0, 0] == 0 and bias[0, 1] == -2 ** -8 and bias[0, 3] == -2 ** -8
+    assert bias[0, 5].item() == pytest.approx(-math.sqrt(5) * 2 ** -8, rel=1e-7)  # (0, 0) to (1, 2)
+    assert torch.equal(bias, bias.t())
+
+
+def test_has_no_parameters_or_state():
+    phi = posattn.build_phi('alibi', num_heads=4)
+    assert not list(phi.parameters()) and not list(phi.buffers()) and phi.state_dict() == {}
+
+
+def test_bias_is_in_the_queries_dtype():
+    bias = bias_of(posattn.build_phi('alibi', num_heads=2), 4, 2, 1, dtype=torch.bfloat16)
+    assert bias.dtype == torch.bfloat16 and bias.shape == (1, 2, 9, 9)
+
+
+# --- models, training, transforms -------------------------------------------------------------
+
+def test_a_training_step_of_a_vit():
+    torch.manual_seed(0)
+    model = posattn.create_model('vit_tiny', phi='alibi', depth=1, num_classes=5).train()
+    assert isinstance(model.blocks[0].attn.phi, ALiBi2D)
+    weights = model.blocks[0].attn.qkv.weight
+    before = weights.detach().clone()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = F.cross_entropy(model(torch.randn(2, 3, 64, 48)), torch.tensor([1, 3]))
+    loss.backward()
+    optimizer.step()
+    assert torch.isfinite(loss) and not torch.equal(weights, before)
+
+
+def test_swapped_into_a_timm_vit_the_bias_reaches_the_logits():
+    timm = pytest.importorskip('timm')
+    model = timm.create_model('vit_tiny_patch16_224', img_size=32, patch_size=8, embed_dim=32, depth=2,
+                              num_heads=2, num_classes=5).eval()
+    swapped = posattn.swap_attention(copy.deepcopy(model), phi='alibi')
+    assert len([m for m in swapped.modules() if isinstance(m, ALiBi2D)]) == 2
+    seen = []
+    swapped.blocks[0].attn.logits_probe.register_forward_hook(lambda m, args, out: seen.append(args))
+    with torch.no_grad():
+        swapped(torch.randn(1, 3, 32, 32))
+    (q, k, bias, grid), = seen
+    torch.testing.assert_close(bias[0, :, 1:, 1:], alibi_bias(2, 4, 4).float())
+
+
+def test_torch_func_grad_matches_autograd():
+    layer = Attention(16, 2, phi='alibi', num_prefix_tokens=1)
+    x = torch.randn(2, 13, 16)
+    params = dict(layer.named_parameters())
+    found = grad(lambda p: functional_call(layer, p, (x, (3, 4))).square().sum())(params)
+    layer(x, (3, 4)).square().sum().backward()
+    for name, p in params.items():
+        torch.testing.assert_close(found[name], p.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_vmap_over_an_ensemble_matches_a_loop():
+    layers = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        layer = Attention(16, 2, phi='alibi', num_prefix_tokens=1).eval()
+        layers.append(layer)
+    params, buffers = stack_module_state(layers)
+    base = copy.deepcopy(layers[0]).to('meta')
+    x = torch.randn(2, 13, 16)
+    found = vmap(lambda p, b: functional_call(base, (p, b), (x, (3, 4))))(params, buffers)
+    with torch.no_grad():
+        expected = torch.stack([layer(x, (3, 4)) for layer in layers])
+    torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-6)
+
+# --- compile, cache, meta device --------------------------------------------------------------
+
+def test_compiled_layer_gives_eagers_output_in_one_graph():
+    torch._dynamo.reset()
+    layer = Attention(16, 2, phi='alibi', num_prefix_tokens=1).eval()
+    x = torch.randn(2, 1 + 3 * 5, 16)
+    compiled = torch.compile(layer, backend='eager', fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, (3, 5)), layer(x, (3, 5)), rtol=1e-6, atol=1e-6)
+        with posattn.cache_positions(layer):
+            torch.testing.assert_close(compiled(x, (3, 5)), layer(x, (3, 5)), rtol=1e-6, atol=1e-6)
+
+
+def test_the_position_cache_serves_one_bias_per_grid_and_dtype():
+    layer = Attention(16, 2, phi='alibi', num_prefix_tokens=1).eval()
+    q = torch.zeros(1, 2, 13, 8)
+    with torch.no_grad(), posattn.cache_positions(layer) as cache:
+        first = layer.phi(q, None, TokenGrid(3, 4, 1))
+        assert layer.phi(q, None, TokenGrid(3, 4, 1)) is first
+        other = layer.phi(torch.zeros(1, 2, 13, 8, dtype=torch.float64), None, TokenGrid(4, 3, 1))
+        assert other.dtype == torch.float64 and not torch.equal(other.float(), first)  # 3x4 is not 4x3
+        assert len(cache) == 2
+    assert layer.phi.position_cache is None
+
+
+def test_builds_and_runs_on_the_meta_device():
+    with torch.device('meta'):
+        model = posattn.create_model('vit_tiny', phi='alibi', depth=1, num_classes=5)
+        out = model(torch.randn(2, 3, 48, 64))
+    assert out.shape == (2, 5) and out.device.type == 'meta'
+    bias = model.blocks[0].attn.phi(torch.empty(1, 3, 13, 64, device='meta'), None, TokenGrid(3, 4, 1))
+    assert bias.shape == (1, 3, 13, 13) and bias.device.type == 'meta'
+
+
+def test_bad_num_heads_names_the_problem():
+    with pytest.raises(ValueError, match='alibi num_heads must be an int >= 1, got 0'):
+        posattn.build_phi('alibi', num_heads=0)
