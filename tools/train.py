@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
+import torch
 from _common import (LOGGED_NON_METRICS, add_runner_arguments, build_runner, is_validation, load_config,
                      logged_scalars, parse_runner_arguments)
 from mmengine.config import Config
@@ -295,6 +296,9 @@ def main(argv=None):
         if checkpoint is not None and runner.cfg.get('default_scope') == 'mmpretrain':  # classifiers only
             print(f'What the attention learned (Φp maps, nonlocality, impact; docs/analysis.md):\n'
                   f'  python tools/analyze.py {args.config} {checkpoint} --out {runner.work_dir}/analysis')
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()  # the other ranks wait for rank 0's summary, then all leave together
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == '__main__':
