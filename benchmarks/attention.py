@@ -129,7 +129,7 @@ IRPE_K = dict(method='product', mode='ctx', on='k', shared_head=True, ratio=1.9)
 
 
 def plugin_rows(args) -> List[Dict[str, object]]:
-    """The layer with PEG or iRPE-K against plain attention, fwd+bwd, with a class token."""
+    """The layer with PEG, iRPE-K, rpb or alibi against plain attention, fwd+bwd, with a class token."""
     device, dtype = args.device, DTYPES[args.dtype]
     dim, heads = args.dim, args.heads
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
@@ -138,9 +138,11 @@ def plugin_rows(args) -> List[Dict[str, object]]:
         grid = TokenGrid(size, size, 1)
         layers = {'none': Attention(dim, heads, num_prefix_tokens=1),
                   'peg': Attention(dim, heads, phi='peg', num_prefix_tokens=1),
-                  'irpe ctx-k': Attention(dim, heads, phi='irpe', phi_cfg=IRPE_K, num_prefix_tokens=1)}
+                  'irpe ctx-k': Attention(dim, heads, phi='irpe', phi_cfg=IRPE_K, num_prefix_tokens=1),
+                  'rpb': Attention(dim, heads, phi='rpb', num_prefix_tokens=1),
+                  'alibi': Attention(dim, heads, phi='alibi', num_prefix_tokens=1)}
         steps = layer_steps({name: layer.to(device) for name, layer in layers.items()}, grid, args, autocast)
-        for phi in ('peg', 'irpe ctx-k'):
+        for phi in ('peg', 'irpe ctx-k', 'rpb', 'alibi'):
             limit = 1.35 if phi == 'irpe ctx-k' and size <= 14 else None
             rows.append(compare(
                 'layer fwd+bwd, class token', size, {phi: steps[phi], 'none': steps['none']},
