@@ -38,8 +38,9 @@ class Attention(nn.Module):
 
         A_h = softmax(q_h k_h^T / sqrt(d) + b_h),   out = proj(concat_h(A_h v_h + t_h)),
 
-    where b = Φp's logits bias and t = its value term (each absent unless the Φp contributes
-    it). With ``phi='peripheral'`` this is PerViT's Multi-head Peripheral Attention (Eq. 5),
+    where b = Φp's logits bias and t = its value term, q and k are first passed through Φp's
+    query/key hook (a rotation) and A through its probability hook (a mixture), each absent
+    unless the Φp contributes it (:class:`posattn.phi.PositionalModule`). With ``phi='peripheral'`` this is PerViT's Multi-head Peripheral Attention (Eq. 5),
     with ``'none'`` plain MHSA (Vaswani et al. 2017). The parameter layout (``qkv``: Linear
     dim -> 3 * dim split as (three, heads, head_dim); ``proj``) is timm's, so swapping keeps weights.
 
@@ -133,17 +134,24 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: TokenGrid,
                key_mask: Optional[torch.Tensor] = None, own_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """softmax(q k^T / sqrt(d) + Φp's bias + own_bias) v (+ Φp's value term), heads merged:
-        (B, N, heads * d), before the output projection.
+        (B, N, heads * d), before the output projection; q and k pass the Φp's
+        :meth:`~posattn.phi.PositionalModule.queries_keys` first, and the probabilities its
+        :meth:`~posattn.phi.PositionalModule.mix_probabilities`.
 
         ``own_bias``: an additive logits bias broadcastable to (B, heads, N, N) that is not the
         Φp's (a swapped model's own relative positions or shift mask), or None.
         """
         self._check_memory(q, grid)
+        if self.phi.transforms_queries_keys:
+            q, k = self.phi.queries_keys(q, k, grid)
         phi_bias = self.phi(q, k, grid) if self.phi.gives_logits_bias else None  # called: its hooks run
         self.logits_probe(q, k, phi_bias, grid, key_mask=key_mask, own_bias=own_bias)
         bias = phi_bias if own_bias is None else own_bias if phi_bias is None else phi_bias + own_bias
         if self._materialises_probabilities():
-            attn = self.attn_drop(attention_probs(q, k, bias, key_mask))
+            attn = attention_probs(q, k, bias, key_mask)
+            if self.phi.mixes_probabilities:
+                attn = self.phi.mix_probabilities(attn, grid, key_mask)
+            attn = self.attn_drop(attn)
             out = attn @ v
             value_term = self.phi.value_term(attn, grid)
             if value_term is not None:
@@ -153,9 +161,10 @@ class Attention(nn.Module):
         return rearrange(out, 'b h n d -> b n (h d)')
 
     def _materialises_probabilities(self) -> bool:
-        """Whether this call forms the (B, heads, N, N) probabilities: for a Φp's value term, or for
-        attention dropout while training; otherwise the fused kernel runs."""
-        return self.phi.uses_attention_probs or (self.training and self.attn_drop.p > 0)
+        """Whether this call forms the (B, heads, N, N) probabilities: for a Φp's value term or
+        mixture, or for attention dropout while training; otherwise the fused kernel runs."""
+        return (self.phi.uses_attention_probs or self.phi.mixes_probabilities
+                or (self.training and self.attn_drop.p > 0))
 
     def _check_memory(self, q: torch.Tensor, grid: TokenGrid) -> None:
         """Fail before the work when the (heads, N, N) terms this call needs cannot fit: a

@@ -110,6 +110,22 @@ def test_stochastic_depth_and_dropout_only_in_training():
         torch.testing.assert_close(model.eval()(x), model(x))
 
 
+def test_phi_blocks_give_the_phi_to_those_blocks_only():
+    """ConViT's layout: the Φp in the first blocks, plain attention after; the plain blocks equal a
+    model without the Φp given the same weights."""
+    model = small_vit(phi='rpb', phi_blocks=range(2)).eval()
+    assert [type(block.attn.phi).__name__ for block in model.blocks] == [
+        'RelativePositionBias', 'RelativePositionBias', 'NoPosition']
+    plain = small_vit(phi='none').eval()
+    plain.load_state_dict(model.state_dict(), strict=False)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), plain(x))  # rpb's tables start at zero
+        for block in model.blocks[:2]:
+            block.attn.phi.relative_position_bias_table.normal_()
+        assert not torch.allclose(model(x), plain(x))
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="global_pool='token' classifies the class token: pass class_token=True"):
         small_vit(class_token=False)
@@ -117,6 +133,8 @@ def test_bad_arguments():
         small_vit(global_pool='max')
     with pytest.raises(ValueError, match=r'peg_after \(0, 3\) names blocks outside 0..2'):
         small_vit(peg_after=(3, 0))
+    with pytest.raises(ValueError, match=r'phi_blocks \(-1, 0\) names blocks outside 0..2'):
+        small_vit(phi='alibi', phi_blocks=(0, -1))
     with pytest.raises(ValueError, match='input of 30x32 pixels does not split into 8-pixel patches'):
         small_vit()(torch.randn(1, 3, 30, 32))
     with pytest.raises(TypeError, match="embed_dim: set by the model name 'vit_tiny'"):

@@ -113,10 +113,13 @@ class VisionTransformer(ClassifierApi, BlockStackApi, nn.Module):
             CPVT's GAP head) or '' (no pooling: the head sees every token, timm's convention).
         pos_embed: learned absolute position embedding added after the patch embedding.
         peg_after: indices of the blocks after which a PEG (CPVT) runs on the tokens.
-        phi: the Φp of every attention layer, by registered name (``posattn.list_phis()``).
+        phi: the Φp of the attention layers, by registered name (``posattn.list_phis()``).
         phi_cfg: its options; what each layer knows (``dim``, ``num_heads``, ``head_dim``,
             ``num_prefix_tokens``, ``layer_index``, ``num_layers``) is filled in where the Φp
             takes it and ``phi_cfg`` does not set it (:func:`posattn.phi.build_layer_phi`).
+        phi_blocks: the indices of the blocks whose attention takes ``phi``; the others attend
+            without a Φp (``'none'``). None: every block. ConViT's layout is ``range(10)`` of 12
+            (local gated layers first, plain ones last).
         drop_rate: dropout after the position embedding, attention projections and MLPs.
         attn_drop_rate: dropout on attention probabilities.
         drop_path_rate: stochastic depth, rising linearly to this rate over the blocks.
@@ -137,7 +140,7 @@ class VisionTransformer(ClassifierApi, BlockStackApi, nn.Module):
                  mlp_ratio: float = 4.0, qkv_bias: bool = True, class_token: bool = True,
                  global_pool: str = 'token', pos_embed: bool = True, peg_after: Sequence[int] = (),
                  phi: str = 'none', phi_cfg: Optional[Mapping[str, Any]] = None,
-                 drop_rate: float = 0.0, attn_drop_rate: float = 0.0, drop_path_rate: float = 0.0,
+                 phi_blocks: Optional[Sequence[int]] = None, drop_rate: float = 0.0, attn_drop_rate: float = 0.0, drop_path_rate: float = 0.0,
                  init_values: Optional[float] = None, no_embed_class: bool = False,
                  dynamic_img_size: bool = True, dynamic_img_pad: bool = False):
         super().__init__()
@@ -148,6 +151,9 @@ class VisionTransformer(ClassifierApi, BlockStackApi, nn.Module):
             raise ValueError(f'peg_after {peg_after} names blocks outside 0..{depth - 1}')
         if embed_dim % num_heads:
             raise ValueError(f'embed_dim {embed_dim} is not divisible by num_heads {num_heads}')
+        phi_blocks = range(depth) if phi_blocks is None else tuple(sorted(set(phi_blocks)))
+        if any(not 0 <= i < depth for i in phi_blocks):
+            raise ValueError(f'phi_blocks {tuple(phi_blocks)} names blocks outside 0..{depth - 1}')
         self.num_classes = num_classes
         self.embed_dim = self.num_features = self.head_hidden_size = embed_dim
         self.grad_checkpointing = False
@@ -164,8 +170,9 @@ class VisionTransformer(ClassifierApi, BlockStackApi, nn.Module):
         drop_paths = torch.linspace(0, drop_path_rate, depth, device='cpu').tolist()
         self.blocks = nn.ModuleList([
             Block(embed_dim, num_heads,
-                  build_layer_phi(phi, phi_cfg, dim=embed_dim, num_heads=num_heads,
-                                  num_prefix_tokens=self.num_prefix_tokens, layer_index=i, num_layers=depth),
+                  build_layer_phi(phi if i in phi_blocks else 'none', phi_cfg if i in phi_blocks else None,
+                                  dim=embed_dim, num_heads=num_heads, num_prefix_tokens=self.num_prefix_tokens,
+                                  layer_index=i, num_layers=depth),
                   mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, drop_paths[i], self.num_prefix_tokens, init_values)
             for i in range(depth)])
         self.pegs = nn.ModuleDict({str(i): build_phi('peg', dim=embed_dim) for i in peg_after})

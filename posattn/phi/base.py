@@ -1,11 +1,13 @@
 """The Φp interface: what a positional module may contribute to multi-head attention.
 
 Every positional module ("Φp", after PerViT's notation) is a function of the token grid that
-touches attention in up to three places. Think of it like FlexAttention's ``score_mod``: one
+touches attention in up to five places. Think of it like FlexAttention's ``score_mod``: one
 interface, no special cases in the attention layer.
 
     x    <- tokens(x, grid)                       token mixing before qkv (PEG / CPE)
+    q, k <- queries_keys(q, k, grid)              rotation of queries and keys (RoPE)
     A    =  softmax(q k^T / sqrt(d) + logits_bias(q, k, grid))
+    A    <- mix_probabilities(A, grid, key_mask)  probabilities mixed with positional ones (ConViT's GPSA)
     out  =  A v + value_term(A, grid)             contextual terms on values (iRPE-V)
 
 Each hook is a no-op by default, so a Φp overrides only what it contributes. The attention layer
@@ -16,7 +18,7 @@ contribution instead (PEG's is the token mixing, which ``tokens`` calls).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
@@ -44,14 +46,42 @@ class PositionalModule(nn.Module):
         """The logits bias, :meth:`logits_bias`: the layer calls ``phi(q, k, grid)``, so hooks run."""
         return self.logits_bias(q, k, grid)
 
+    def _overrides(self, hook: str) -> bool:
+        return getattr(type(self), hook) is not getattr(PositionalModule, hook)
+
     @property
     def gives_logits_bias(self) -> bool:
         """Whether this Φp contributes a logits bias (overrides :meth:`logits_bias`)."""
-        return type(self).logits_bias is not PositionalModule.logits_bias
+        return self._overrides('logits_bias')
+
+    @property
+    def transforms_queries_keys(self) -> bool:
+        """Whether this Φp changes the queries and keys (overrides :meth:`queries_keys`)."""
+        return self._overrides('queries_keys')
+
+    @property
+    def mixes_probabilities(self) -> bool:
+        """Whether this Φp changes the attention probabilities (overrides :meth:`mix_probabilities`),
+        which needs them materialised (no fused kernel)."""
+        return self._overrides('mix_probabilities')
 
     def tokens(self, x: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
         """Transform the layer's input tokens ``x`` (B, N, C) before the qkv projection."""
         return x
+
+    def queries_keys(self, q: torch.Tensor, k: torch.Tensor,
+                     grid: TokenGrid) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The queries and keys the logits are formed from, given the projected ones.
+
+        Args:
+            q, k: (B, heads, N, head_dim), after the layer's q/k norms, not yet scaled.
+            grid: the layout of the N tokens.
+
+        Returns:
+            (q, k) of the same shapes and dtype; what the logits bias, the softmax and the analyses
+            then see. A fused attention kernel still runs.
+        """
+        return q, k
 
     def logits_bias(self, q: torch.Tensor, k: torch.Tensor,
                     grid: TokenGrid) -> Optional[torch.Tensor]:
@@ -66,6 +96,13 @@ class PositionalModule(nn.Module):
             for a content-independent bias, which lets kernels sum its gradient over the batch.
         """
         return None
+
+    def mix_probabilities(self, attn: torch.Tensor, grid: TokenGrid,
+                          key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The attention probabilities, given the content ones ``attn`` (B, heads, N, N), rows summing
+        to 1 (0 for a query with no key left); ``key_mask``: None, or a bool (B, N), False for keys
+        no query may attend to, which the result must leave at 0. Rows of the result sum to 1."""
+        return attn
 
     def value_term(self, attn: torch.Tensor, grid: TokenGrid) -> Optional[torch.Tensor]:
         """Term added to ``attn @ v``, given the probabilities ``attn`` (B, heads, N, N)."""

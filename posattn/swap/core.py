@@ -9,10 +9,11 @@ that says why such a model cannot be swapped). The plan lists the attention modu
 """
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -68,6 +69,10 @@ class SwapPlan:
         position_parameters: the parameters of the model's relative position tables and bias
             networks, frozen when its own positions are dropped (kept, no longer used: no
             optimiser or DistributedDataParallel sees them as trainable).
+        own_phi: ``own_phi(site, index)``, the Φp that computes what the model's own relative
+            positional scheme computes at the ``index``-th site, holding the very parameters of it
+            (a table, learned frequencies), for ``swap_attention(model, phi='own')``; None where
+            the family has no such conversion.
     """
     family: str
     sites: List[AttentionSite]
@@ -75,6 +80,7 @@ class SwapPlan:
     patch_projection: Optional[nn.Module] = None
     position_embeddings: Sequence[Optional[nn.Parameter]] = field(default_factory=list)
     position_parameters: Sequence[Optional[nn.Parameter]] = field(default_factory=list)
+    own_phi: Optional[Callable[[AttentionSite, int], PositionalModule]] = None
 
 
 def packs_self_attention(mha: nn.MultiheadAttention) -> bool:
@@ -227,12 +233,16 @@ def swap_attention(model: nn.Module, phi: str = 'peripheral', *, own_positions: 
 
     Args:
         model: changed in place.
-        phi: the Φp of every layer, by registered name; 'none' changes no output.
+        phi: the Φp of every layer, by registered name; 'none' changes no output. ``'own'``
+            converts the model's own relative positional scheme into the equivalent Φp, which
+            takes over its weights and gives the model's outputs (EVA's and the RoPE ViTs' rotary
+            embeddings -> ``rope``, Swin's and BEiT's tables -> ``rpb``, ConViT's gated
+            attention -> ``gpsa``; docs/swap.md lists them); it takes no options.
         own_positions: keep the model's own positional terms (absolute embeddings, RoPE, relative
             position tables and biases) beside the Φp. With False they are dropped: absolute
             embeddings are zeroed and frozen, RoPE and relative biases no longer applied, for a
             comparison of positional schemes on equal terms. Swin's shift mask is not positional
-            and is always kept.
+            and is always kept. With ``phi='own'`` it applies to the absolute embeddings only.
         **phi_cfg: the Φp's options; what each layer knows (``dim``, ``num_heads``, ``head_dim``,
             ``num_prefix_tokens``, ``layer_index``, ``num_layers``) is filled in where the Φp
             takes it (:func:`posattn.phi.build_layer_phi`).
@@ -247,17 +257,26 @@ def swap_attention(model: nn.Module, phi: str = 'peripheral', *, own_positions: 
     plans = _plans(model)
     if not plans:
         raise TypeError(_refusal(model))
+    converting = phi == OWN
+    if converting:
+        _check_own(plans, phi_cfg)
     replacements = []  # all built before the model changes, so a bad option leaves it as it was
     for plan in plans:
         tracker = GridTracker() if plan.patch_projection is not None else None
         for index, site in enumerate(plan.sites):
             old = site.module
             reference = next(old.parameters())
-            built = build_layer_phi(phi, phi_cfg, dim=site.dim, num_heads=site.num_heads,
-                                    num_prefix_tokens=site.num_prefix_tokens, layer_index=index,
-                                    num_layers=len(plan.sites))
-            layer = plan.adapter.replacing(old, built.to(reference.device, reference.dtype), site)
-            layer.grid_tracker, layer.own_positions = tracker, own_positions
+            if converting:
+                built = plan.own_phi(site, index)
+            else:
+                built = build_layer_phi(phi, phi_cfg, dim=site.dim, num_heads=site.num_heads,
+                                        num_prefix_tokens=site.num_prefix_tokens, layer_index=index,
+                                        num_layers=len(plan.sites)).to(reference.device, reference.dtype)
+            layer = plan.adapter.replacing(old, built, site)
+            # the model's own relative scheme is the converted Φp, applied once
+            layer.grid_tracker, layer.own_positions = tracker, own_positions and not converting
+            if converting:
+                _hand_own_parameters_to_phi(layer)
             replacements.append((site, layer))
         if tracker is not None:
             replacements.append((plan, tracker))
@@ -267,18 +286,60 @@ def swap_attention(model: nn.Module, phi: str = 'peripheral', *, own_positions: 
         else:
             replacement.attach(target.patch_projection, [site.parent for site in target.sites])
     if not own_positions:
-        _drop_own_positions(plans)
+        _drop_own_positions(plans, kept=[layer.phi for _, layer in replacements if converting])
     model.register_load_state_dict_post_hook(_fresh_phis_from_weights_without_them)
     return model
 
 
-def _drop_own_positions(plans: Sequence[SwapPlan]) -> None:
+OWN = 'own'  # swap_attention's Φp name for the model's own positional scheme, converted
+
+
+def _check_own(plans: Sequence[SwapPlan], phi_cfg: Mapping[str, Any]) -> None:
+    for plan in plans:
+        if plan.own_phi is None:
+            raise TypeError(f"phi='own' converts a model's own relative positional scheme into a Φp; {plan.family} "
+                            'has none that posattn converts: pick a Φp by name (posattn.list_phis())')
+    if phi_cfg:
+        raise TypeError(f"phi='own' takes no Φp options (got {sorted(phi_cfg)}): the Φp takes the model's own "
+                        'settings and weights')
+
+
+def _hand_own_parameters_to_phi(layer: 'SwappedAttention') -> None:
+    """After a conversion the model's own positional parameters belong to the layer's Φp alone.
+
+    A parameter that the adapter took over from the replaced module (a relative position table)
+    and that the Φp now holds leaves the adapter, so that it is saved once, under the Φp's name;
+    weights saved before the swap still load: a pre-hook renames their keys.
+    """
+    phi_names = {id(param): name for name, param in layer.phi.named_parameters()}
+    renames = {}
+    for name, param in list(layer.named_parameters(recurse=False)):
+        if id(param) in phi_names:
+            layer.register_parameter(name, None)
+            renames[name] = f'phi.{phi_names[id(param)]}'
+    if renames:
+        layer.register_load_state_dict_pre_hook(functools.partial(_rename_keys, renames=renames))
+
+
+def _rename_keys(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *args: Any,
+                 renames: Mapping[str, str]) -> None:
+    """``load_state_dict`` pre-hook: the model's own names of what a converted Φp holds become the Φp's."""
+    for old, new in renames.items():
+        if prefix + old in state_dict and prefix + new not in state_dict:
+            state_dict[prefix + new] = state_dict.pop(prefix + old)
+
+
+def _drop_own_positions(plans: Sequence[SwapPlan], kept: Sequence[PositionalModule] = ()) -> None:
+    """Zero and freeze the absolute embeddings, freeze the relative position parameters; those that
+    a Φp in ``kept`` holds (a converted scheme) stay trainable."""
+    phi_params = {id(p) for phi in kept for p in phi.parameters()}
     with torch.no_grad():
         for embedding in (e for plan in plans for e in plan.position_embeddings if e is not None):
             embedding.zero_()
             embedding.requires_grad_(False)
     for param in (p for plan in plans for p in plan.position_parameters if p is not None):
-        param.requires_grad_(False)
+        if id(param) not in phi_params:
+            param.requires_grad_(False)
 
 
 def _phi_keys(model: nn.Module) -> Dict[str, List[str]]:
