@@ -14,6 +14,9 @@ from .phi import PositionalModule, build_layer_phi
 
 __all__ = ['Attention', 'LogitsProbe']
 
+# (attention probabilities (B, heads, N, N), grid, key mask or None) -> probabilities of the same shape
+ProbabilityMixture = Callable[[torch.Tensor, TokenGrid, Optional[torch.Tensor]], torch.Tensor]
+
 
 class LogitsProbe(nn.Module):
     """Where the layer's attention logits can be observed: called with (q, k, bias, grid), computes nothing.
@@ -132,25 +135,31 @@ class Attention(nn.Module):
         return self.q_norm(q), self.k_norm(k), v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: TokenGrid,
-               key_mask: Optional[torch.Tensor] = None, own_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+               key_mask: Optional[torch.Tensor] = None, own_bias: Optional[torch.Tensor] = None,
+               own_mixture: Optional[ProbabilityMixture] = None) -> torch.Tensor:
         """softmax(q k^T / sqrt(d) + Φp's bias + own_bias) v (+ Φp's value term), heads merged:
         (B, N, heads * d), before the output projection; q and k pass the Φp's
         :meth:`~posattn.phi.PositionalModule.queries_keys` first, and the probabilities its
         :meth:`~posattn.phi.PositionalModule.mix_probabilities`.
 
         ``own_bias``: an additive logits bias broadcastable to (B, heads, N, N) that is not the
-        Φp's (a swapped model's own relative positions or shift mask), or None.
+        Φp's (a swapped model's own relative positions or shift mask), or None. ``own_mixture``:
+        called as ``own_mixture(attn, grid, key_mask)`` on the probabilities after the Φp's mixture,
+        the model's own (ConViT's gated positional attention in a swapped ConViT), or None.
         """
-        self._check_memory(q, grid)
+        materialised = self._materialises_probabilities() or own_mixture is not None
+        self._check_memory(q, grid, materialised)
         if self.phi.transforms_queries_keys:
             q, k = self.phi.queries_keys(q, k, grid)
         phi_bias = self.phi(q, k, grid) if self.phi.gives_logits_bias else None  # called: its hooks run
         self.logits_probe(q, k, phi_bias, grid, key_mask=key_mask, own_bias=own_bias)
         bias = phi_bias if own_bias is None else own_bias if phi_bias is None else phi_bias + own_bias
-        if self._materialises_probabilities():
+        if materialised:
             attn = attention_probs(q, k, bias, key_mask)
             if self.phi.mixes_probabilities:
                 attn = self.phi.mix_probabilities(attn, grid, key_mask)
+            if own_mixture is not None:
+                attn = own_mixture(attn, grid, key_mask)
             attn = self.attn_drop(attn)
             out = attn @ v
             value_term = self.phi.value_term(attn, grid)
@@ -166,7 +175,7 @@ class Attention(nn.Module):
         return (self.phi.uses_attention_probs or self.phi.mixes_probabilities
                 or (self.training and self.attn_drop.p > 0))
 
-    def _check_memory(self, q: torch.Tensor, grid: TokenGrid) -> None:
+    def _check_memory(self, q: torch.Tensor, grid: TokenGrid, materialised: bool) -> None:
         """Fail before the work when the (heads, N, N) terms this call needs cannot fit: a
         positional bias (and its computation, about as large again), and the attention
         probabilities (B, heads, N, N) where they are materialised. A traced call (``torch.compile``,
@@ -175,7 +184,7 @@ class Attention(nn.Module):
             return
         batch, heads, tokens, _ = q.shape
         pair_terms = 2 if self.phi.gives_logits_bias else 0
-        if self._materialises_probabilities():
+        if materialised:
             pair_terms += 2 * batch
         nbytes = pair_terms * heads * tokens * tokens * q.element_size()
         check_fits(nbytes, q.device, f'attention over {tokens} tokens ({grid}) in {heads} heads',

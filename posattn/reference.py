@@ -21,7 +21,8 @@ from .phi.peripheral import PeripheralWeights
 
 __all__ = ['padded_coordinates', 'peripheral_position_attention', 'peripheral_attention',
            'softmax_attention', 'irpe_bucket_ids', 'irpe_attention', 'bicubic_resize', 'relative_position_bias',
-           'alibi_bias']
+           'alibi_bias', 'gpsa_position_attention', 'gpsa_attention', 'rope_rotate', 'linear_resize',
+           'decomposed_relative_position_bias', 'decomposed_attention']
 
 PADDING = 2  # PerViT pads the key grid by two rows and columns on every side
 NORM_EPS = 1e-5
@@ -270,3 +271,139 @@ def alibi_bias(num_heads: int, height: int, width: int) -> torch.Tensor:
     positions = [(row, col) for row in range(height) for col in range(width)]
     return torch.tensor([[[-2.0 ** (-8.0 * (h + 1) / num_heads) * math.hypot(p[0] - q[0], p[1] - q[1])
                            for q in positions] for p in positions] for h in range(num_heads)], dtype=torch.float64)
+
+
+def gpsa_position_attention(pos_weight: torch.Tensor, pos_bias: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """ConViT's positional attention (d'Ascoli et al. 2021, Eq. 10) on an H x W grid, pair by pair:
+    softmax over the keys j of v_h · r_ij + c_h, r_ij = (dx, dy, dx² + dy²) with (dx, dy) the column and
+    row of key j minus those of query i; ``pos_weight`` (heads, 3) = (v_h), ``pos_bias`` (heads,) = (c_h)
+    (timm's ``pos_proj``). (heads, H W, H W), [head, query, key]."""
+    positions = [(row, col) for row in range(height) for col in range(width)]
+    logits = pos_weight.new_zeros(pos_weight.shape[0], len(positions), len(positions))
+    for i, (query_row, query_col) in enumerate(positions):
+        for j, (key_row, key_col) in enumerate(positions):
+            dx, dy = key_col - query_col, key_row - query_row
+            offset = torch.tensor([dx, dy, dx * dx + dy * dy], dtype=pos_weight.dtype)
+            logits[:, i, j] = pos_weight @ offset + pos_bias
+    return logits.softmax(-1)
+
+
+def gpsa_attention(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: Optional[torch.Tensor],
+                   proj_weight: torch.Tensor, proj_bias: torch.Tensor, num_heads: int, pos_weight: torch.Tensor,
+                   pos_bias: torch.Tensor, gating_param: torch.Tensor, height: int, width: int,
+                   num_prefix_tokens: int = 0) -> torch.Tensor:
+    """ConViT's gated positional self-attention (d'Ascoli et al. 2021, Eq. 9-10; timm's ``GPSA``), then
+    the output projection:
+
+        proj(normalize(A) V),   A_h = (1 - σ(λ_h)) softmax(q k^T / sqrt(d)) + σ(λ_h) P_h,
+
+    P_h of :func:`gpsa_position_attention` over the grid pairs, ``normalize`` dividing every row by
+    its sum. With prefix tokens P is zero wherever a prefix token is the key, and a prefix query keeps
+    its content attention (its gate is 0).
+    """
+    q, k, v = _split_heads(x, qkv_weight, qkv_bias, num_heads)
+    content = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1)  # (B, heads, N, N)
+    position = _over_all_pairs(gpsa_position_attention(pos_weight, pos_bias, height, width), num_prefix_tokens, 0.0)
+    attn = content.clone()  # a prefix query's row
+    gate = torch.sigmoid(gating_param)[:, None]  # (heads, 1)
+    for i in range(num_prefix_tokens, content.shape[-2]):
+        attn[:, :, i] = (1 - gate) * content[:, :, i] + gate * position[:, i]
+    attn = attn / attn.sum(-1, keepdim=True)
+    return F.linear(_merge_heads(attn @ v), proj_weight, proj_bias)
+
+
+def rope_rotate(x: torch.Tensor, height: int, width: int, num_prefix_tokens: int = 0,
+                mixed_frequencies: Optional[torch.Tensor] = None, temperature: float = 10000.0,
+                position_offset: float = 0.0, reference_grid: Optional[Sequence[int]] = None,
+                axis_order: str = 'yx', pairing: str = 'interleaved') -> torch.Tensor:
+    """Rotary position embedding (RoPE, Su et al. 2021) of the grid tokens of queries or keys ``x``
+    (B, heads, N, d), one token and one pair of channels at a time: float64, prefix tokens as they are.
+
+    Token (row y, column x) of the H x W grid has coordinates y' = (y + o) h / H, x' = (x + o) w / W
+    (o = ``position_offset``; (h, w) = ``reference_grid``, the grid itself when None), the first
+    axis a and the second b by ``axis_order`` ('yx': a = y'). Pair p of a head turns by
+
+        axial (EVA-02, Fang et al. 2024):   φ = a θ^(-p / F) for p < F, b θ^(-(p - F) / F) after, F = d / 4
+        mixed (RoPE-ViT, Heo et al. 2024):  φ = a f1[h, p] + b f2[h, p]
+
+    with θ = ``temperature`` and (f1, f2) = ``mixed_frequencies`` (2, heads, d / 2) (None: axial),
+    and its channels (u, v), (2p, 2p + 1) or (p, p + d / 2) by ``pairing``, become
+    (u cos φ - v sin φ, v cos φ + u sin φ).
+    """
+    given = x.detach().to(torch.float64)
+    out = given.clone()
+    heads, tokens, dim = x.shape[1:]
+    num_pairs, num_bands = dim // 2, dim // 4
+    ref_height, ref_width = reference_grid if reference_grid is not None else (height, width)
+    for token in range(num_prefix_tokens, tokens):
+        row, col = divmod(token - num_prefix_tokens, width)
+        y = (row + position_offset) * ref_height / height
+        x_coordinate = (col + position_offset) * ref_width / width
+        a, b = (y, x_coordinate) if axis_order == 'yx' else (x_coordinate, y)
+        for head in range(heads):
+            for pair in range(num_pairs):
+                if mixed_frequencies is None:
+                    coordinate = a if pair < num_bands else b
+                    angle = coordinate * temperature ** (-(pair % num_bands) / num_bands)
+                else:
+                    f1, f2 = mixed_frequencies.detach()[:, head, pair].tolist()
+                    angle = a * f1 + b * f2
+                first, second = (2 * pair, 2 * pair + 1) if pairing == 'interleaved' else (pair, pair + num_pairs)
+                u, v = given[:, head, token, first], given[:, head, token, second]
+                out[:, head, token, first] = u * math.cos(angle) - v * math.sin(angle)
+                out[:, head, token, second] = v * math.cos(angle) + u * math.sin(angle)
+    return out
+
+
+def linear_resize(embeddings: torch.Tensor, length: int) -> torch.Tensor:
+    """``embeddings`` (L, d) resampled along L to (length, d), one output row at a time, as
+    ``F.interpolate(mode='linear', align_corners=False)`` computes it: output row o lies at the source
+    coordinate (o + 1/2) L / length - 1/2 (half-pixel centres), clamped at 0, between its two nearest rows."""
+    size = embeddings.shape[0]
+    out = embeddings.new_zeros(length, embeddings.shape[1])
+    for row in range(length):
+        source = max((row + 0.5) * size / length - 0.5, 0.0)
+        below = math.floor(source)
+        above = min(below + 1, size - 1)
+        weight = source - below
+        out[row] = (1 - weight) * embeddings[below] + weight * embeddings[above]
+    return out
+
+
+def decomposed_relative_position_bias(q: torch.Tensor, rel_pos_h: torch.Tensor, rel_pos_w: torch.Tensor,
+                                      height: int, width: int, num_prefix_tokens: int = 0) -> torch.Tensor:
+    """Decomposed relative position embeddings (MViTv2, Li et al. 2022; SAM's image encoder, Kirillov et
+    al. 2023) on an H x W grid, pair by pair: q_i · R_h[dy + H - 1] + q_i · R_w[dx + W - 1] for the
+    queries q (..., N, d), (..., N, N), [query, key], N = num_prefix_tokens + H W.
+
+    (dy, dx) is query minus key in rows and columns; ``rel_pos_h`` (2h - 1, d) and ``rel_pos_w``
+    (2w - 1, d) are SAM's embeddings of the offsets of an h x w grid, resampled to 2H - 1 and 2W - 1
+    rows where they have another number (:func:`linear_resize`). Pairs with a prefix token get 0.
+    """
+    if rel_pos_h.shape[0] != 2 * height - 1:
+        rel_pos_h = linear_resize(rel_pos_h, 2 * height - 1)
+    if rel_pos_w.shape[0] != 2 * width - 1:
+        rel_pos_w = linear_resize(rel_pos_w, 2 * width - 1)
+    prefix = num_prefix_tokens
+    tokens = prefix + height * width
+    bias = q.new_zeros(*q.shape[:-2], tokens, tokens)
+    for i in range(prefix, tokens):
+        for j in range(prefix, tokens):
+            dy = (i - prefix) // width - (j - prefix) // width
+            dx = (i - prefix) % width - (j - prefix) % width
+            query = q[..., i, :]
+            along_rows = (query * rel_pos_h[dy + height - 1]).sum(-1)
+            bias[..., i, j] = along_rows + (query * rel_pos_w[dx + width - 1]).sum(-1)
+    return bias
+
+
+def decomposed_attention(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: Optional[torch.Tensor],
+                         proj_weight: torch.Tensor, proj_bias: torch.Tensor, num_heads: int, rel_pos_h: torch.Tensor,
+                         rel_pos_w: torch.Tensor, height: int, width: int, num_prefix_tokens: int = 0) -> torch.Tensor:
+    """proj(softmax(q k^T / sqrt(d) + b) V) with b the decomposed relative position bias of the
+    layer's own queries (:func:`decomposed_relative_position_bias`), added unscaled: the attention of
+    SAM's image encoder (its ``use_rel_pos``) with the class-token pairs of MViTv2."""
+    q, k, v = _split_heads(x, qkv_weight, qkv_bias, num_heads)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    scores = scores + decomposed_relative_position_bias(q, rel_pos_h, rel_pos_w, height, width, num_prefix_tokens)
+    return F.linear(_merge_heads(scores.softmax(-1) @ v), proj_weight, proj_bias)

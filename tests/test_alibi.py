@@ -1,12 +1,11 @@
-"""alibi: 2D ALiBi against the float64 formula, its slopes, training, compile, the position cache,
-the meta device, errors."""
+"""alibi: 2D ALiBi against the float64 formula, its slopes, training, the position cache, the meta
+device, errors (compile and torch.func: tests/test_compile.py and tests/test_function_transforms.py)."""
 import copy
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.func import functional_call, grad, stack_module_state, vmap
 
 import posattn
 from posattn import Attention, TokenGrid
@@ -71,7 +70,7 @@ def test_bias_is_in_the_queries_dtype():
     assert bias.dtype == torch.bfloat16 and bias.shape == (1, 2, 9, 9)
 
 
-# --- models, training, transforms -------------------------------------------------------------
+# --- models, training ----------------------------------------------------------------------
 
 def test_a_training_step_of_a_vit():
     torch.manual_seed(0)
@@ -100,42 +99,7 @@ def test_swapped_into_a_timm_vit_the_bias_reaches_the_logits():
     torch.testing.assert_close(bias[0, :, 1:, 1:], alibi_bias(2, 4, 4).float())
 
 
-def test_torch_func_grad_matches_autograd():
-    layer = Attention(16, 2, phi='alibi', num_prefix_tokens=1)
-    x = torch.randn(2, 13, 16)
-    params = dict(layer.named_parameters())
-    found = grad(lambda p: functional_call(layer, p, (x, (3, 4))).square().sum())(params)
-    layer(x, (3, 4)).square().sum().backward()
-    for name, p in params.items():
-        torch.testing.assert_close(found[name], p.grad, rtol=1e-5, atol=1e-5)
-
-
-def test_vmap_over_an_ensemble_matches_a_loop():
-    layers = []
-    for seed in range(3):
-        torch.manual_seed(seed)
-        layer = Attention(16, 2, phi='alibi', num_prefix_tokens=1).eval()
-        layers.append(layer)
-    params, buffers = stack_module_state(layers)
-    base = copy.deepcopy(layers[0]).to('meta')
-    x = torch.randn(2, 13, 16)
-    found = vmap(lambda p, b: functional_call(base, (p, b), (x, (3, 4))))(params, buffers)
-    with torch.no_grad():
-        expected = torch.stack([layer(x, (3, 4)) for layer in layers])
-    torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-6)
-
-# --- compile, cache, meta device --------------------------------------------------------------
-
-def test_compiled_layer_gives_eagers_output_in_one_graph():
-    torch._dynamo.reset()
-    layer = Attention(16, 2, phi='alibi', num_prefix_tokens=1).eval()
-    x = torch.randn(2, 1 + 3 * 5, 16)
-    compiled = torch.compile(layer, backend='eager', fullgraph=True)
-    with torch.no_grad():
-        torch.testing.assert_close(compiled(x, (3, 5)), layer(x, (3, 5)), rtol=1e-6, atol=1e-6)
-        with posattn.cache_positions(layer):
-            torch.testing.assert_close(compiled(x, (3, 5)), layer(x, (3, 5)), rtol=1e-6, atol=1e-6)
-
+# --- cache, meta device ---------------------------------------------------------------------
 
 def test_the_position_cache_serves_one_bias_per_grid_and_dtype():
     layer = Attention(16, 2, phi='alibi', num_prefix_tokens=1).eval()

@@ -66,7 +66,7 @@ def test_inductor_training_step_matches_eager():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize('name', ['pervit_tiny', 'vit_tiny_peripheral', 'vit_tiny_irpe'])
+@pytest.mark.parametrize('name', ['pervit_tiny'] + [name for name in MODELS if name.startswith('vit_tiny_')])
 def test_inference_inside_the_position_cache_compiles_as_one_graph(name):
     torch._dynamo.reset()
     model = MODELS[name]().eval()

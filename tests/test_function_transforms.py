@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.func import functional_call, grad, stack_module_state, vmap
 
-from posattn import Attention
+from posattn import Attention, list_phis
 
 X = torch.randn(2, 13, 16, generator=torch.Generator().manual_seed(0))
 GRID = (3, 4)
@@ -18,8 +18,13 @@ def layer(phi, seed=0, **cfg):
     return built
 
 
-@pytest.mark.parametrize('phi,cfg', [('none', {}), ('peg', {}), ('irpe', dict(mode='ctx', on='qkv')),
-                                     ('irpe', dict(mode='bias', on='qk'))])
+# Every Φp but the peripheral one, with the options that change which terms it has
+TRANSFORMABLE = ([(name, {}) for name in list_phis() if name not in ('peripheral', 'irpe')]
+                 + [('irpe', dict(mode='ctx', on='qkv')), ('irpe', dict(mode='bias', on='qk')),
+                    ('rope', dict(frequencies='mixed'))])
+
+
+@pytest.mark.parametrize('phi,cfg', TRANSFORMABLE)
 def test_grad_matches_autograd(phi, cfg):
     model = layer(phi, **cfg)
     params = dict(model.named_parameters())
@@ -29,11 +34,11 @@ def test_grad_matches_autograd(phi, cfg):
         torch.testing.assert_close(found[name], p.grad, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize('phi', ['none', 'irpe'])
-def test_vmap_over_an_ensemble_matches_a_loop(phi):
-    models = [layer(phi, seed) for seed in range(3)]
+@pytest.mark.parametrize('phi,cfg', TRANSFORMABLE)
+def test_vmap_over_an_ensemble_matches_a_loop(phi, cfg):
+    models = [layer(phi, seed, **cfg) for seed in range(3)]
     params, buffers = stack_module_state(models)
-    base = layer(phi).to('meta')
+    base = layer(phi, **cfg).to('meta')
     found = vmap(lambda p, b: functional_call(base, (p, b), (X, GRID)))(params, buffers)
     with torch.no_grad():
         expected = torch.stack([m(X, GRID) for m in models])

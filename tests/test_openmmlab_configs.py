@@ -24,7 +24,7 @@ def test_each_imagenet_row_has_an_embedded_counterpart_with_the_same_model():
     """Every Table 2 config for ImageNet has a *_shapes.py twin that builds the same backbone (up
     to the image size and the recipe's stochastic depth), so each row can be tried on the
     embedded set first."""
-    rows = [name for name in CONFIGS if name.endswith('_imagenet.py') and name.startswith('deit_t_')]
+    rows = [name for name in CONFIGS if name.endswith('_imagenet.py') and name.startswith(('deit_t_', 'convit_t'))]
     assert rows
     for name in rows:
         twin = name.replace('_imagenet.py', '_shapes.py')
@@ -38,11 +38,11 @@ def test_each_imagenet_row_has_an_embedded_counterpart_with_the_same_model():
 
 def test_shapes_configs_share_one_budget_and_differ_only_in_the_model():
     shapes = [Config.fromfile(REPO / 'configs' / name) for name in CONFIGS if name.endswith('_shapes.py')]
-    assert len(shapes) == 5
+    assert len(shapes) >= 10
     def budget(cfg):
         return {key: cfg[key] for key in cfg.keys() if key != 'model'}
     assert all(budget(cfg) == budget(shapes[0]) for cfg in shapes)
-    assert len({str(cfg.model.backbone) for cfg in shapes}) == 5
+    assert len({str(cfg.model.backbone) for cfg in shapes}) == len(shapes)
 
 
 @pytest.mark.parametrize('name', CONFIGS)
@@ -59,6 +59,30 @@ def test_config_parses_builds_and_runs_at_a_non_224_size(name):
     assert logits.shape == (2, num_classes) and torch.isfinite(logits).all()
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
     assert cfg.default_scope == 'mmpretrain' and 'posattn_openmmlab' in cfg.custom_imports.imports
+
+
+@pytest.mark.parametrize('name', ['deit_t_rope_shapes.py', 'deit_t_rpb_shapes.py', 'deit_t_alibi_shapes.py',
+                                  'deit_t_gpsa_shapes.py', 'convit_t_shapes.py'])
+def test_later_scheme_configs_train_a_step(name):
+    """One optimiser step of the config's own recipe on a batch of the embedded set: the loss is finite
+    and every trainable parameter of the Φp moves (ALiBi has none)."""
+    from mmengine.optim import build_optim_wrapper
+    from mmpretrain.structures import DataSample
+    cfg = Config.fromfile(REPO / 'configs' / name)
+    model = MODELS.build(cfg.model).train()
+    optim_wrapper = build_optim_wrapper(model, cfg.optim_wrapper)
+    images = torch.randn(4, 3, cfg.img_size, cfg.img_size)
+    samples = [DataSample().set_gt_label(label) for label in (0, 1, 2, 3)]
+    phi_params = {n: p for n, p in model.named_parameters() if '.phi.' in n}
+    before = {n: p.detach().clone() for n, p in phi_params.items()}
+    losses = model(images, samples, mode='loss')
+    optim_wrapper.update_params(sum(losses.values()))
+    assert all(torch.isfinite(v) for v in losses.values())
+    assert bool(phi_params) == (name != 'deit_t_alibi_shapes.py')
+    moved = [n for n, p in phi_params.items() if not torch.equal(p, before[n])]
+    assert bool(moved) == bool(phi_params), name
+    if name == 'convit_t_shapes.py':
+        assert {int(n.split('.')[3]) for n in phi_params} == set(range(10))  # gpsa in blocks 0-9
 
 
 @pytest.mark.parametrize('name,weight_decay,warmup,drop_path', [

@@ -154,6 +154,36 @@ def test_mmdet_swin_none_keeps_the_outputs_and_every_phi_trains():
     assert_trains_with_every_phi(lambda: randomised(in_container(build())), images)
 
 
+@pytest.mark.parametrize('library', ['mmdet', 'mmseg', 'mmpretrain'])
+def test_openmmlab_swin_own_tables_become_rpb_with_the_outputs(library):
+    """phi='own': each window attention's table is its Φp's (rpb, the same Parameter), float64 outputs kept."""
+    swin_family()
+    from mmdet.models.backbones import SwinTransformer as DetSwin
+    from mmpretrain.models import SwinTransformer as PretrainSwin
+    from mmseg.models.backbones import SwinTransformer as SegSwin
+    from posattn.phi.rpb import RelativePositionBias
+    if library == 'mmpretrain':
+        model = PretrainSwin(arch=dict(embed_dims=32, depths=[2, 2], num_heads=[2, 4]), img_size=32, window_size=4,
+                             out_indices=(0, 1), drop_path_rate=0.0)
+    else:
+        model = (DetSwin if library == 'mmdet' else SegSwin)(
+            pretrain_img_size=32, embed_dims=32, depths=(2, 2), num_heads=(2, 4), window_size=4, strides=(4, 2),
+            out_indices=(0, 1), drop_path_rate=0.0)
+    model = randomised(in_container(model)).double()
+    tables = [p for name, p in model.named_parameters() if name.endswith('relative_position_bias_table')]
+    with torch.no_grad():
+        for table in tables:
+            table.mul_(40)  # as large as trained tables
+    swapped = posattn.swap_attention(copy.deepcopy(model), phi='own')
+    layers = [m for m in swapped.modules() if isinstance(m, SwappedAttention)]
+    assert len(layers) == 4 and all(isinstance(layer.phi, RelativePositionBias) for layer in layers)
+    images = torch.randn(2, 3, 40, 56, dtype=torch.float64)  # padded windows
+    with torch.no_grad():
+        for got, expected in zip(swapped(images), model(images)):
+            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    swapped.load_state_dict(model.state_dict())  # the model's own weights load strictly
+
+
 # ---------------------------------------------------------------- PosattnSwappedBackbone
 
 

@@ -1,11 +1,11 @@
 """rpb: the learned relative position bias table of Swin and BEiT against the float64 formula, timm's
-layouts and resampling, gradients, training, compile, the position cache, the meta device, errors."""
+layouts and resampling, gradients, training, the position cache, the meta device, errors (compile and
+torch.func: tests/test_compile.py and tests/test_function_transforms.py, which take every Φp)."""
 import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.func import functional_call, grad, stack_module_state, vmap
 
 import posattn
 from posattn import Attention, TokenGrid
@@ -181,17 +181,6 @@ def test_gradcheck_in_float64_with_resampling():
     assert gradcheck_layer(layer, torch.randn(1, 1 + 3 * 2, 8, dtype=torch.float64), (3, 2))
 
 
-def test_torch_func_grad_matches_autograd():
-    layer = Attention(16, 2, phi='rpb', phi_cfg=dict(table_size=(2, 2)), num_prefix_tokens=1)
-    torch.nn.init.normal_(layer.phi.relative_position_bias_table)
-    x = torch.randn(2, 13, 16)
-    params = dict(layer.named_parameters())
-    found = grad(lambda p: functional_call(layer, p, (x, (3, 4))).square().sum())(params)
-    layer(x, (3, 4)).square().sum().backward()
-    for name, p in params.items():
-        torch.testing.assert_close(found[name], p.grad, rtol=1e-5, atol=1e-5)
-
-
 def test_a_training_step_of_a_vit_learns_the_table():
     torch.manual_seed(0)
     model = posattn.create_model('vit_tiny', phi='rpb', depth=1, num_classes=5).train()
@@ -218,34 +207,7 @@ def test_swapped_in_at_init_a_model_keeps_its_outputs():
         torch.testing.assert_close(swapped(x), model(x), rtol=0, atol=1e-5)
 
 
-def test_vmap_over_an_ensemble_matches_a_loop():
-    layers = []
-    for seed in range(3):
-        torch.manual_seed(seed)
-        layer = Attention(16, 2, phi='rpb', phi_cfg=dict(table_size=(2, 2)), num_prefix_tokens=1).eval()
-        torch.nn.init.normal_(layer.phi.relative_position_bias_table)
-        layers.append(layer)
-    params, buffers = stack_module_state(layers)
-    base = copy.deepcopy(layers[0]).to('meta')
-    x = torch.randn(2, 13, 16)
-    found = vmap(lambda p, b: functional_call(base, (p, b), (x, (3, 4))))(params, buffers)
-    with torch.no_grad():
-        expected = torch.stack([layer(x, (3, 4)) for layer in layers])
-    torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-6)
-
-# --- compile, cache, meta device --------------------------------------------------------------
-
-def test_compiled_layer_gives_eagers_output_in_one_graph():
-    torch._dynamo.reset()
-    layer = Attention(16, 2, phi='rpb', phi_cfg=dict(table_size=(5, 5)), num_prefix_tokens=1).eval()
-    torch.nn.init.normal_(layer.phi.relative_position_bias_table)
-    x = torch.randn(2, 1 + 3 * 5, 16)
-    compiled = torch.compile(layer, backend='eager', fullgraph=True)
-    with torch.no_grad():
-        torch.testing.assert_close(compiled(x, (3, 5)), layer(x, (3, 5)), rtol=1e-6, atol=1e-6)
-        with posattn.cache_positions(layer):
-            torch.testing.assert_close(compiled(x, (3, 5)), layer(x, (3, 5)), rtol=1e-6, atol=1e-6)
-
+# --- cache, meta device ---------------------------------------------------------------------
 
 def test_the_position_cache_serves_the_bias_until_the_table_changes():
     layer = Attention(16, 2, phi='rpb', phi_cfg=dict(table_size=(3, 3)), num_prefix_tokens=1).eval()

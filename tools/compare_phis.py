@@ -1,11 +1,15 @@
-"""Φp compared on the embedded set, one budget per row, in three experiments:
+"""Φp compared on the embedded set, one budget per row, in four experiments:
 
     python tools/compare_phis.py                       # table2: 5 rows x seed 0, 10 epochs each
     python tools/compare_phis.py --epochs 3 --seeds 0 1 --rows deit_t_none pervit_t
+    python tools/compare_phis.py --experiment schemes  # DeiT-T with RoPE, tables, ALiBi, GPSA; ConViT-T
     python tools/compare_phis.py --experiment swap     # DeiT-T, then a fine-tune per swapped-in Φp
     python tools/compare_phis.py --experiment ablations --seeds 0 1   # PerViT's study, 8 x 8 grid
 
-``table2`` is PerViT Table 2: the same ViT-Tiny with each Φp, and PerViT-T, from scratch. ``swap``
+``table2`` is PerViT Table 2: the same ViT-Tiny with each Φp, and PerViT-T, from scratch.
+``schemes`` puts the positional schemes of later ViTs in the same ViT-Tiny, from scratch (RoPE-Mixed,
+a relative position bias table, 2D ALiBi, gated positional attention), beside plain DeiT-T and a
+ConViT-T-like model. ``swap``
 trains mmpretrain's own DeiT-T (``configs/swap/deit-t_shapes.py``), then fine-tunes that checkpoint
 with each Φp swapped in by ``PosattnSwappedBackbone`` (``configs/swap/deit-t_finetune-*_shapes.py``).
 ``ablations`` is PerViT's component study (Table 1 rows (a), (b), (c)) and Φp initialisations
@@ -62,6 +66,14 @@ EXPERIMENTS = {
         'deit_t_peripheral': Row('deit_t_peripheral_shapes.py', 'DeiT-T + PPE (peripheral)'),
         'pervit_t': Row('pervit_t_shapes.py', 'PerViT-T'),
     },
+    'schemes': {  # the positional schemes of later ViTs in the same DeiT-T, from scratch
+        'deit_t_none': Row('deit_t_none_shapes.py', 'DeiT-T (abs. embedding)'),
+        'deit_t_rope': Row('deit_t_rope_shapes.py', 'DeiT-T + RoPE-Mixed (rope)'),
+        'deit_t_rpb': Row('deit_t_rpb_shapes.py', 'DeiT-T + bias table (rpb)'),
+        'deit_t_alibi': Row('deit_t_alibi_shapes.py', 'DeiT-T + 2D ALiBi (alibi)'),
+        'deit_t_gpsa': Row('deit_t_gpsa_shapes.py', 'DeiT-T + GPSA (gpsa)'),
+        'convit_t': Row('convit_t_shapes.py', 'ConViT-T-like (gpsa in blocks 0-9)'),
+    },
     'swap': {  # mmpretrain's DeiT-T, then each Φp swapped in and fine-tuned from its checkpoint
         'deit_t': Row('swap/deit-t_shapes.py', "mmpretrain's DeiT-T (abs. embedding), from scratch"),
         'finetune_none': _finetune('none', "plain attention ('none')"),
@@ -90,7 +102,8 @@ RUN_RECORD = 'run.json'  # per finished run: what read_run found and the wall ti
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description='Train each row of an experiment on the embedded set with one budget')
     parser.add_argument('--experiment', choices=list(EXPERIMENTS), default='table2',
-                        help="table2: PerViT Table 2's rows from scratch; swap: DeiT-T, then a fine-tune per Φp; "
+                        help="table2: PerViT Table 2's rows from scratch; schemes: later ViTs' positional schemes "
+                             "in DeiT-T, and ConViT-T; swap: DeiT-T, then a fine-tune per Φp; "
                              "ablations: PerViT's components and Φp initialisations on an 8 x 8 grid")
     parser.add_argument('--rows', nargs='+', help="rows to train (default: all of the experiment's; a row that "
                                                   'starts from another trains that one too)')

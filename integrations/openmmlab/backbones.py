@@ -363,7 +363,7 @@ class PosattnViT(_TokenBackbone):
             ``strict=False`` for a partial load); a plain ViT / DeiT's weights leave the Φp at
             its own initialisation, logged.
         **vit_kwargs: the rest of :class:`~posattn.models.vit.VisionTransformer`'s options:
-            ``phi``, ``phi_cfg``, ``pos_embed``, ``peg_after``, ``class_token``, ``patch_size``,
+            ``phi``, ``phi_cfg``, ``phi_blocks``, ``pos_embed``, ``peg_after``, ``class_token``, ``patch_size``,
             ``init_values`` and ``no_embed_class`` (DeiT III), ...
 
     ``out_channels`` lists the channels of each output.

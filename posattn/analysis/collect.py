@@ -9,13 +9,17 @@ maps of PerViT's analyses (Sec. 4.1), on the grid positions (extra tokens droppe
     position Φp = exp(b)                            sigmoid(z) for peripheral (Eq. 5-8)
 
 b being the Φp's logits bias. A Φp without one (``none``, ``peg``) has no Φp map, and Φa = Φc.
-For ``irpe`` Φp = exp(b) is the position term of Appendix D, contextual in ctx mode. The
-model's own forward runs unchanged; nothing of it is copied here.
+For ``irpe`` Φp = exp(b) is the position term of Appendix D, contextual in ctx mode. A Φp that
+mixes a positional attention into the probabilities (``gpsa``, ConViT's gated positional
+self-attention) gives its maps as the layer attends with them: Φa is the mixture, Φp its
+positional attention (``position_attention``), and its gate per head (``gate``, the share of
+positional attention) comes with them. The model's own forward runs unchanged; nothing of it is
+copied here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -23,6 +27,7 @@ from torch import nn
 from ..attention import Attention
 from ..functional import attention_probs
 from ..grid import TokenGrid
+from ..phi import PositionalModule
 from .metrics import REGIONS, impact, nonlocality, region_scores
 
 __all__ = ['AttentionMaps', 'LayerMeasures', 'attention_maps', 'collect_attention_maps', 'measure_attention']
@@ -30,31 +35,52 @@ __all__ = ['AttentionMaps', 'LayerMeasures', 'attention_maps', 'collect_attentio
 
 @dataclass
 class AttentionMaps:
-    """The maps of one layer on the grid positions, float32, each (B or 1, heads, P, P), P = H * W."""
+    """The maps of one layer on the grid positions, float32, each (B or 1, heads, P, P), P = H * W;
+    ``gate``: the share of positional attention of every head (heads,) where the Φp mixes one into
+    the probabilities (``gpsa``), None otherwise."""
     grid: TokenGrid
     content: torch.Tensor
     mixed: torch.Tensor
     position: Optional[torch.Tensor]
+    gate: Optional[torch.Tensor] = None
 
 
 def attention_maps(q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor], grid: TokenGrid,
-                   key_mask: Optional[torch.Tensor] = None, own_bias: Optional[torch.Tensor] = None) -> AttentionMaps:
+                   key_mask: Optional[torch.Tensor] = None, own_bias: Optional[torch.Tensor] = None,
+                   phi: Optional[PositionalModule] = None) -> AttentionMaps:
     """Φc, Φa and Φp (module docstring) from a layer's q, k (B, heads, N, d), logits bias and key mask.
 
     The probabilities are the layer's (:func:`posattn.functional.attention_probs`), in float32:
     the softmax runs over all N keys, extra tokens included, leaving out the keys ``key_mask``
     (B, N) marks False (padding of windowed attention); the maps are then cut to the grid's
     queries and keys. ``own_bias``, the swapped model's own positional bias, is part of Φa (the
-    layer's softmax uses it) and of neither Φc nor Φp.
+    layer's softmax uses it) and of neither Φc nor Φp. ``phi``: the layer's Φp; one that mixes the
+    probabilities mixes Φa as the layer does and gives Φp and the gate (:func:`_mixed_in_position`).
     """
     q, k = q.float(), k.float()
     bias = None if bias is None else bias.float()
     own_bias = None if own_bias is None else own_bias.float()
     inner = slice(grid.num_prefix_tokens, None)
-    content = attention_probs(q, k, None, key_mask)[..., inner, inner]
+    content = attention_probs(q, k, None, key_mask)  # (B, heads, N, N)
     logits_bias = bias if own_bias is None else own_bias if bias is None else bias + own_bias  # as the layer sums them
-    mixed = content if logits_bias is None else attention_probs(q, k, logits_bias, key_mask)[..., inner, inner]
-    return AttentionMaps(grid, content, mixed, None if bias is None else bias[..., inner, inner].exp())
+    probs = content if logits_bias is None else attention_probs(q, k, logits_bias, key_mask)
+    position, gate = None if bias is None else bias[..., inner, inner].exp(), None
+    if phi is not None and phi.mixes_probabilities:
+        probs = phi.mix_probabilities(probs, grid, key_mask)
+        position, gate = _mixed_in_position(phi, grid)
+    content_maps = content[..., inner, inner]
+    mixed = content_maps if probs is content else probs[..., inner, inner]
+    return AttentionMaps(grid, content_maps, mixed, position, gate)
+
+
+def _mixed_in_position(phi: PositionalModule, grid: TokenGrid) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Φp (1, heads, P, P) and the gate (heads,), float32, of a Φp that mixes a positional attention into
+    the probabilities, where it gives them as ``gpsa`` does: ``position_attention(H, W)`` (heads, P, P)
+    and ``gate`` (heads,); None for what it does not give."""
+    position_attention, gate = getattr(phi, 'position_attention', None), getattr(phi, 'gate', None)
+    position = None if position_attention is None else position_attention(grid.height, grid.width)[None]
+    return (None if position is None else position.detach().float(),
+            None if gate is None else gate.detach().float())
 
 
 def _attention_layers(model: nn.Module) -> Dict[str, Attention]:
@@ -75,8 +101,8 @@ class _Hooks:
 
     def __enter__(self) -> '_Hooks':
         for name, layer in self.layers.items():
-            def hook(module, args, kwargs, output, name=name):
-                self.record(name, attention_maps(*args, **kwargs))
+            def hook(module, args, kwargs, output, name=name, layer=layer):
+                self.record(name, attention_maps(*args, **kwargs, phi=layer.phi))
             self.handles.append(layer.logits_probe.register_forward_hook(hook, with_kwargs=True))
         return self
 
@@ -113,16 +139,19 @@ MEASURES = ('nonlocality_position', 'nonlocality_content', 'nonlocality_mixed', 
 class LayerMeasures:
     """Per-head measures of one layer (Sec. 4.1), averaged over the samples added so far.
 
-    Attributes (each (heads,) float32, or None where the layer's Φp adds no logits bias):
+    Attributes (each (heads,) float32, or None where the layer's Φp has no Φp map):
         nonlocality_position / _content / _mixed: Ω of Φp, Φc, Φa (Eq. 13).
         impact_position / _content: Ψp, Ψc (Eq. 12).
         region_scores: (heads, 4) the bracket of Eq. 11 per region; ``regions`` its argmax.
+        gate: the share of positional attention of every head, σ(λ) of ``gpsa``, where the Φp
+            mixes one into the probabilities; a weight of the layer, as of the latest sample.
     """
 
     def __init__(self, name: str, grid: TokenGrid):
         self.name, self.grid = name, grid
         self.num_samples = 0
         self._sums: Dict[str, torch.Tensor] = {}
+        self.gate: Optional[torch.Tensor] = None
 
     def add(self, maps: AttentionMaps) -> None:
         if maps.grid != self.grid:
@@ -140,6 +169,8 @@ class LayerMeasures:
             total = value.double().sum(0).cpu()
             self._sums[key] = self._sums[key] + total if key in self._sums else total
         self.num_samples += maps.content.shape[0]
+        if maps.gate is not None:
+            self.gate = maps.gate.float().cpu()
 
     def _mean(self, key: str) -> Optional[torch.Tensor]:
         total = self._sums.get(key)
@@ -147,7 +178,7 @@ class LayerMeasures:
 
     @property
     def nonlocality_position(self) -> Optional[torch.Tensor]:
-        """Ω of Φp per head (Eq. 13); None without a positional bias."""
+        """Ω of Φp per head (Eq. 13); None without a Φp map."""
         return self._mean('nonlocality_position')
 
     @property
@@ -162,7 +193,7 @@ class LayerMeasures:
 
     @property
     def impact_position(self) -> Optional[torch.Tensor]:
-        """Ψp per head (Eq. 12); None without a positional bias."""
+        """Ψp per head (Eq. 12); None without a Φp map."""
         return self._mean('impact_position')
 
     @property
@@ -172,7 +203,7 @@ class LayerMeasures:
 
     @property
     def region_scores(self) -> Optional[torch.Tensor]:
-        """(heads, 4): the bracket of Eq. 11 per region; None without a positional bias."""
+        """(heads, 4): the bracket of Eq. 11 per region; None without a Φp map."""
         return self._mean('region_scores')
 
     @property
@@ -182,13 +213,16 @@ class LayerMeasures:
         return None if scores is None else [REGIONS[i] for i in scores.argmax(-1).tolist()]
 
     def to_dict(self) -> Dict[str, object]:
-        """JSON-ready: the layer, its grid, the sample count, every measure as lists, the regions."""
+        """JSON-ready: the layer, its grid, the sample count, every measure as lists, the regions, and
+        the gate where the layer has one."""
         out: Dict[str, object] = {'layer': self.name, 'grid': [self.grid.height, self.grid.width],
                                   'num_samples': self.num_samples}
         for key in MEASURES:
             value = getattr(self, key)
             out[key] = None if value is None else value.tolist()
         out['regions'] = self.regions
+        if self.gate is not None:
+            out['gate'] = self.gate.tolist()
         return out
 
 

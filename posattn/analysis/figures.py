@@ -142,7 +142,8 @@ def plot_position_maps(maps: Dict[str, AttentionMaps], path: PathLike, query: Op
     """
     layers = {name: m for name, m in maps.items() if m.position is not None}
     if not layers:
-        raise ValueError('no layer has a position attention Φp (only Φp that add a logits bias do)')
+        raise ValueError('no layer has a position attention Φp (only Φp that add a logits bias or mix in a '
+                         'positional attention do)')
     heads = next(iter(layers.values())).position.shape[1]
     queries = {name: _query_index(layer.grid, query) for name, layer in layers.items()}
     images = {name: [_grid_image(layer.position[0, head, queries[name][1]], layer.grid) for head in range(heads)]

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from ..attention import Attention
+from ..attention import Attention, ProbabilityMixture
 from ..grid import TokenGrid
 from ..phi import PositionalModule, build_layer_phi
 from .token_grids import GridTracker
@@ -104,7 +104,8 @@ class SwappedAttention(Attention):
 
         q, k, v = split_heads(project_qkv(Φp.tokens(x)))        BEiT / EVA: separate q and v biases
         q, k    = rotation(q), rotation(k)                       EVA: its RoPE, when kept
-        out     = attend(q, k, v, own_bias)                      relative position tables, shift masks
+        out     = attend(q, k, v, own_bias, own_mixture)         relative position tables, shift masks,
+                                                                 ConViT's gated positional attention
         out     = proj_drop(proj(before_projection(out, x)))     timm / EVA: sub-LN and gate
 
     A subclass overrides only the hooks where its model differs.
@@ -138,7 +139,8 @@ class SwappedAttention(Attention):
 
     def attention_output(self, x: torch.Tensor, *tensors: Optional[torch.Tensor],
                          own_bias: Optional[torch.Tensor] = None,
-                         rotation: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+                         rotation: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                         own_mixture: Optional[ProbabilityMixture] = None) -> torch.Tensor:
         """x (B, N, C) -> the layer's output (B, N, C), after the output projection and its dropout.
 
         Args:
@@ -148,12 +150,14 @@ class SwappedAttention(Attention):
             own_bias: the model's own logits bias, broadcastable to (B, heads, N, N), or None.
             rotation: applied to the queries and keys (B, heads, N, d) before the logits and the
                 Φp (EVA's RoPE); the results take the values' dtype, as in timm's EVA.
+            own_mixture: the model's own mixture of the attention probabilities (ConViT's gated
+                positional attention), applied after the Φp's, or None.
         """
         grid = self.grid_of(x, self.current_grid(*tensors))
         q, k, v = self.split_heads(self.project_qkv(self.phi.tokens(x, grid)))
         if rotation is not None:
             q, k = rotation(q).type_as(v), rotation(k).type_as(v)
-        out = self.attend(q, k, v, grid, own_bias=own_bias)
+        out = self.attend(q, k, v, grid, own_bias=own_bias, own_mixture=own_mixture)
         return self.proj_drop(self.proj(self.before_projection(out, x)))
 
     def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
@@ -217,8 +221,8 @@ def _refusal(model: nn.Module) -> str:
         return (f'no supported OpenMMLab model in {described(model)}: import posattn_openmmlab, which adds '
                 "mmpretrain's and mmseg's VisionTransformer and mmdet's SwinTransformer")
     return (f'no supported attention in {described(model)}; swap_attention knows timm\'s VisionTransformer, '
-            "Eva, Beit, VisionTransformerRelPos and SwinTransformer, torchvision's VisionTransformer and "
-            'SwinTransformer, and (with posattn_openmmlab imported) the OpenMMLab ViTs and Swin')
+            "Eva, Beit, VisionTransformerRelPos, VisionTransformerSAM, ConVit and SwinTransformer, torchvision's "
+            'VisionTransformer and SwinTransformer, and (with posattn_openmmlab imported) the OpenMMLab ViTs and Swin')
 
 
 def swap_attention(model: nn.Module, phi: str = 'peripheral', *, own_positions: bool = True,
@@ -236,8 +240,9 @@ def swap_attention(model: nn.Module, phi: str = 'peripheral', *, own_positions: 
         phi: the Φp of every layer, by registered name; 'none' changes no output. ``'own'``
             converts the model's own relative positional scheme into the equivalent Φp, which
             takes over its weights and gives the model's outputs (EVA's and the RoPE ViTs' rotary
-            embeddings -> ``rope``, Swin's and BEiT's tables -> ``rpb``, ConViT's gated
-            attention -> ``gpsa``; docs/swap.md lists them); it takes no options.
+            embeddings -> ``rope``, Swin's and BEiT's tables -> ``rpb``, SAM's decomposed
+            embeddings -> ``decomposed_rpb``, ConViT's gated attention -> ``gpsa``; docs/swap.md
+            lists them); it takes no options.
         own_positions: keep the model's own positional terms (absolute embeddings, RoPE, relative
             position tables and biases) beside the Φp. With False they are dropped: absolute
             embeddings are zeroed and frozen, RoPE and relative biases no longer applied, for a
@@ -286,7 +291,7 @@ def swap_attention(model: nn.Module, phi: str = 'peripheral', *, own_positions: 
         else:
             replacement.attach(target.patch_projection, [site.parent for site in target.sites])
     if not own_positions:
-        _drop_own_positions(plans, kept=[layer.phi for _, layer in replacements if converting])
+        _drop_own_positions(plans, relative=not converting)
     model.register_load_state_dict_post_hook(_fresh_phis_from_weights_without_them)
     return model
 
@@ -329,16 +334,15 @@ def _rename_keys(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *ar
             state_dict[prefix + new] = state_dict.pop(prefix + old)
 
 
-def _drop_own_positions(plans: Sequence[SwapPlan], kept: Sequence[PositionalModule] = ()) -> None:
-    """Zero and freeze the absolute embeddings, freeze the relative position parameters; those that
-    a Φp in ``kept`` holds (a converted scheme) stay trainable."""
-    phi_params = {id(p) for phi in kept for p in phi.parameters()}
+def _drop_own_positions(plans: Sequence[SwapPlan], relative: bool = True) -> None:
+    """Zero and freeze the absolute embeddings and, with ``relative``, freeze the relative position
+    parameters (not after a conversion: the converted Φp uses and trains them)."""
     with torch.no_grad():
         for embedding in (e for plan in plans for e in plan.position_embeddings if e is not None):
             embedding.zero_()
             embedding.requires_grad_(False)
-    for param in (p for plan in plans for p in plan.position_parameters if p is not None):
-        if id(param) not in phi_params:
+    if relative:
+        for param in (p for plan in plans for p in plan.position_parameters if p is not None):
             param.requires_grad_(False)
 
 

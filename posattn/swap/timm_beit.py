@@ -3,16 +3,20 @@ and its relative position bias, a learned table over the offsets of the image's 
 three entries for the class token (Bao et al. 2022), per block or shared by all blocks
 (``use_shared_rel_pos_bias``). Both are kept under timm's names unless the model's own positions
 are dropped; BEiT's grid is fixed at construction, and ``set_input_size`` still resizes the tables
-after the swap."""
+after the swap. With ``phi='own'`` each block's table becomes an ``rpb`` Φp's (the same Parameter,
+saved under the Φp's name, loaded from timm's), or every block's Φp reads the shared one where the
+model keeps it (saved once, under timm's name); ``set_input_size`` resizes them as timm does."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import nn
 
+from ..phi.rpb import RelativePositionBias
 from .core import AttentionSite, SwapPlan, described, imported, register_family
 from .qkv_biases import SeparateBiasQkv
+from .window_tables import resize_table, table_phi
 
 _BEIT = 'timm.models.beit'
 
@@ -39,8 +43,10 @@ class BeitAttention(SeparateBiasQkv):
         return bias if shared is None else bias + shared
 
     def set_window_size(self, window_size: Tuple[int, int]) -> None:
-        """timm's own resize (``Beit.set_input_size`` calls it): the table is interpolated to the new grid."""
-        imported(_BEIT, 'Attention').set_window_size(self, window_size)
+        """timm's own resize (``Beit.set_input_size`` calls it): the table is interpolated to the new grid,
+        the Φp's table too after ``phi='own'`` (:func:`~posattn.swap.window_tables.resize_table`)."""
+        Attention = imported(_BEIT, 'Attention')
+        resize_table(self, lambda layer: Attention.set_window_size(layer, window_size))
 
     def _init_buffers(self) -> None:  # what timm's resize calls to rebuild the index
         imported(_BEIT, 'Attention')._init_buffers(self)
@@ -64,4 +70,24 @@ def timm_beit(model: nn.Module) -> Optional[SwapPlan]:
         sites.append(AttentionSite(block, 'attn', model.embed_dim, attn.num_heads, model.num_prefix_tokens))
     tables = [site.module.relative_position_bias_table for site in sites]
     shared = list(model.rel_pos_bias.parameters()) if model.rel_pos_bias is not None else []
-    return SwapPlan('timm Beit', sites, BeitAttention, model.patch_embed.proj, [model.pos_embed], tables + shared)
+    own_phi = _own_phi(model.rel_pos_bias) if any(t is not None for t in tables) or shared else None
+    return SwapPlan('timm Beit', sites, BeitAttention, model.patch_embed.proj, [model.pos_embed], tables + shared,
+                    own_phi)
+
+
+def _own_phi(shared: Optional[nn.Module]) -> Callable[[AttentionSite, int], RelativePositionBias]:
+    """``phi='own'`` for a BEiT: each block's table as an ``rpb``, or the model's shared one (``shared``,
+    timm's ``RelativePositionBias``) read by every block's ``rpb``."""
+    def own_phi(site: AttentionSite, index: int) -> RelativePositionBias:
+        table = site.module.relative_position_bias_table
+        if table is not None and shared is not None:
+            raise TypeError(f"phi='own' converts BEiT's relative position tables into one rpb per block, but block "
+                            f'{index} adds its own table to the shared one (use_rel_pos_bias and '
+                            'use_shared_rel_pos_bias): pick a Φp by name (\'none\' keeps both tables)')
+        if table is not None:
+            return table_phi(site, index)
+        phi = RelativePositionBias(shared.relative_position_bias_table.shape[-1], shared.window_size,
+                                   num_prefix_tokens=site.num_prefix_tokens)
+        phi.share_table(shared)
+        return phi
+    return own_phi

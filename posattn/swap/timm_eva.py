@@ -7,6 +7,11 @@ EVA-02 rotates the grid tokens' queries and keys by a rotary position embedding 
 applies it as EVA does (after the q/k norms, prefix tokens untouched) when the model's own positions
 are kept, and the Φp then sees the rotated queries and keys that the softmax uses; without them the
 rotation is skipped and the absolute embedding zeroed.
+
+``swap_attention(model, phi='own')`` converts the model's RoPE into the ``rope`` Φp of every layer,
+which then computes it (:func:`own_rope`): timm's ``RotaryEmbeddingCat`` (EVA-02, the axial
+``vit_*_rope_*`` and Perception Encoder models) into axial frequencies with the model's settings,
+``RotaryEmbeddingMixed`` (RoPE-Mixed) into mixed ones that read the model's own ``rope.freqs``.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..phi.rope import RotaryPositionEmbedding
 from .core import AttentionSite, SwapPlan, described, imported, register_family
 from .qkv_biases import SeparateBiasQkv
 from .timm_vit import NormGateOutput, refuse_attention_mask
@@ -72,4 +78,46 @@ def timm_eva(model: nn.Module) -> Optional[SwapPlan]:
     for i, block in enumerate(model.blocks):
         _check_attention(i, block.attn, model.embed_dim, model.num_prefix_tokens)
         sites.append(AttentionSite(block, 'attn', model.embed_dim, block.attn.num_heads, model.num_prefix_tokens))
-    return SwapPlan('timm Eva', sites, EvaAttention, model.patch_embed.proj, [model.pos_embed])
+    own_phi = functools.partial(own_rope, model) if model.rope is not None else None
+    learned_rope = list(model.rope.parameters()) if model.rope is not None else []  # RoPE-Mixed's frequencies
+    return SwapPlan('timm Eva', sites, EvaAttention, model.patch_embed.proj, [model.pos_embed], learned_rope,
+                    own_phi=own_phi)
+
+
+# RoPE modules of timm that the rope Φp does not compute: why each is not converted.
+_UNCONVERTED_ROPE = {
+    'RotaryEmbeddingDinoV3': "DINOv3's RoPE (rope_type='dinov3') centres the coordinates and normalises them to "
+                             '[-1, 1] per grid, with periods in place of frequencies',
+    'RotaryEmbeddingMRope': "MRoPE (rope_type='mrope') assigns the frequencies to height, width and time in a "
+                            'strided interleave (Qwen2-VL), not to the two halves of the pairs',
+}
+
+
+def own_rope(model: nn.Module, site: AttentionSite, index: int) -> RotaryPositionEmbedding:
+    """The ``rope`` Φp that computes what ``model.rope`` computes for the ``index``-th block: axial
+    frequencies with the settings of a ``RotaryEmbeddingCat``, or the ``index``-th layer of a
+    ``RotaryEmbeddingMixed``'s learned frequencies, read from the model's own parameter."""
+    rope = model.rope
+    kind = type(rope).__name__
+    if kind in _UNCONVERTED_ROPE:
+        raise TypeError(f"phi='own' cannot convert this Eva's {kind}: {_UNCONVERTED_ROPE[kind]}, which the rope Φp "
+                        'does not compute; pick a Φp by name (posattn.list_phis())')
+    cat, mixed = imported('timm.layers', 'RotaryEmbeddingCat'), imported('timm.layers', 'RotaryEmbeddingMixed')
+    if not isinstance(rope, tuple(filter(None, (cat, mixed)))):
+        raise TypeError(f"phi='own' converts timm's RotaryEmbeddingCat and RotaryEmbeddingMixed, not this Eva's "
+                        f'{described(rope)}; pick a Φp by name (posattn.list_phis())')
+    if getattr(rope, 'aug_active', False):
+        raise TypeError("phi='own' cannot convert a RoPE that augments its coordinates while training "
+                        '(rope_shift_coords, rope_jitter_coords, rope_rescale_coords), which the rope Φp does not: '
+                        'build the model without them')
+    head_dim, axis_order = site.dim // site.num_heads, 'xy' if rope.grid_indexing == 'xy' else 'yx'
+    if mixed is not None and isinstance(rope, mixed):
+        return RotaryPositionEmbedding(head_dim, site.num_heads, frequencies='mixed', axis_order=axis_order,
+                                       shared_frequencies=rope, layer_index=index)
+    grid_type = getattr(rope, 'grid_type', 'index')
+    if rope.in_pixels or grid_type != 'index':
+        raise TypeError(f"phi='own' converts RoPE on grid indices; this Eva's RotaryEmbeddingCat has "
+                        f'in_pixels={rope.in_pixels}, grid_type={grid_type!r}, which the rope Φp does not compute')
+    return RotaryPositionEmbedding(head_dim, site.num_heads, frequencies='axial', temperature=float(rope.temperature),
+                                   position_offset=float(rope.grid_offset), reference_grid=rope.ref_feat_shape,
+                                   axis_order=axis_order, pairing='halves' if rope.rotate_half else 'interleaved')

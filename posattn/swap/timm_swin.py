@@ -2,6 +2,8 @@
 dynamic image size), also built with ``features_only=True``: the ``WindowAttention`` of every
 ``SwinTransformerBlock``, called with the windows its block cut and the block's shift mask. The
 relative position table stays, under timm's names; ``set_input_size`` still resizes it after the swap.
+With ``phi='own'`` each table becomes an ``rpb`` Φp's (the same Parameter), which ``set_input_size``
+resizes as timm resizes its own, so the swapped model stays timm's.
 Swin V2 (``SwinTransformerV2``, ``SwinTransformerV2Cr``) is refused: its attention is cosine attention."""
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Optional, Tuple
 from torch import nn
 
 from .core import AttentionSite, SwapPlan, described, imported, register_family
-from .window_tables import COSINE_ATTENTION, WindowTableAttention, tables_of
+from .window_tables import COSINE_ATTENTION, WindowTableAttention, resize_table, table_phi, tables_of
 
 _SWIN = 'timm.models.swin_transformer'
 
@@ -20,8 +22,10 @@ class TimmWindowAttention(WindowTableAttention):
 
     def set_window_size(self, window_size: Tuple[int, int]) -> None:
         """timm's own resize (``SwinTransformer.set_input_size`` calls it): the table is interpolated
-        to the new window and the index rebuilt; the Φp follows the new window grid by itself."""
-        imported(_SWIN, 'WindowAttention').set_window_size(self, window_size)
+        to the new window and the index rebuilt, the Φp's table too after ``phi='own'``
+        (:func:`~posattn.swap.window_tables.resize_table`); the Φp follows the new window grid by itself."""
+        WindowAttention = imported(_SWIN, 'WindowAttention')
+        resize_table(self, lambda layer: WindowAttention.set_window_size(layer, window_size))
 
 
 def _is_swin(model: nn.Module) -> bool:
@@ -52,4 +56,5 @@ def timm_swin_transformer(model: nn.Module) -> Optional[SwapPlan]:
             raise TypeError(f'Swin block {i} attends in {attn.num_heads} heads x {head_dim} channels, not the block '
                             f'width {attn.dim} (head_dim): posattn.Attention splits the width into its heads')
         sites.append(AttentionSite(block, 'attn', attn.dim, attn.num_heads))
-    return SwapPlan('timm SwinTransformer', sites, TimmWindowAttention, position_parameters=tables_of(sites))
+    return SwapPlan('timm SwinTransformer', sites, TimmWindowAttention, position_parameters=tables_of(sites),
+                    own_phi=table_phi)

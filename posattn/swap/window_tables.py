@@ -12,19 +12,25 @@ grid and shared by every window of every image; ``B[index]`` stays beside it unl
 own positions are dropped. Zero-padded tokens at the bottom and right of the map take part as
 keys, as in every Swin implementation (posattn's own windowed attention, :mod:`posattn.window`,
 masks them instead).
+
+``B[index]`` is what the ``rpb`` Φp computes on the window grid from the same table (its layout and
+index are Swin's, and BEiT's with its three class-token entries): ``swap_attention(model,
+phi='own')`` hands the table itself to an ``rpb`` (:func:`table_phi`), which then gives the model's
+outputs; a resize by the model's own code still resizes it (:func:`resize_table`).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from einops import rearrange, repeat
 from torch import nn
 
 from ..grid import TokenGrid
+from ..phi.rpb import RelativePositionBias
 from .core import AttentionSite, SwappedAttention
 
-__all__ = ['WindowTableAttention', 'COSINE_ATTENTION', 'tables_of']
+__all__ = ['WindowTableAttention', 'COSINE_ATTENTION', 'tables_of', 'table_phi', 'resize_table']
 
 COSINE_ATTENTION = ("Swin V2's cosine attention (normalised queries and keys times a learned logit scale, "
                     'with a position bias from a continuous MLP) is not the scaled dot product posattn computes')
@@ -33,6 +39,29 @@ COSINE_ATTENTION = ("Swin V2's cosine attention (normalised queries and keys tim
 def tables_of(sites: Sequence[AttentionSite]) -> List[nn.Parameter]:
     """The relative position tables of the window attentions at ``sites``."""
     return [site.module.relative_position_bias_table for site in sites]
+
+
+def table_phi(site: AttentionSite, index: int) -> RelativePositionBias:
+    """A plan's ``own_phi``: the ``rpb`` whose table is the attention's at ``site`` (the same Parameter,
+    ``relative_position_bias_table``), learned for its ``window_size``, with BEiT's three extra rows
+    where the site has prefix tokens (``index``, the site's place in depth order, changes nothing)."""
+    attn = site.module
+    return RelativePositionBias.of_table(attn.relative_position_bias_table, attn.window_size, site.num_prefix_tokens)
+
+
+def resize_table(layer: SwappedAttention, model_resize: Callable[[SwappedAttention], None]) -> None:
+    """``model_resize(layer)``: the model's own resize of the layer's table to a new window (timm's
+    ``set_window_size``, which replaces the table by a new Parameter, interpolated as timm interpolates,
+    and rebuilds the index), also after ``phi='own'``, when the table is the Φp's: it is lent back to
+    the layer under the model's name for the resize, and the table the layer then holds goes to the
+    Φp, learned for the layer's new ``window_size``. So the swapped model stays the model, resized."""
+    converted = layer.relative_position_bias_table is None and getattr(layer, 'window_size', None) is not None
+    if converted:
+        layer.relative_position_bias_table = layer.phi.relative_position_bias_table
+    model_resize(layer)
+    if converted:
+        layer.phi.set_table(layer.relative_position_bias_table, layer.window_size)
+        layer.register_parameter('relative_position_bias_table', None)
 
 
 class WindowTableAttention(SwappedAttention):

@@ -1,0 +1,135 @@
+"""``decomposed_rpb``: decomposed relative position embeddings, a relative position bias read by the
+query, one table per axis, as in MViTv2 (Li et al., CVPR 2022, Sec. 4.1) and the image encoder of
+Segment Anything (Kirillov et al., ICCV 2023; ViTDet's backbone, Li et al., ECCV 2022):
+
+    b[h, i, j] = q_h,i · R_h[dy + H - 1] + q_h,i · R_w[dx + W - 1]
+
+with (dy, dx) = p_i - p_j the offset of query i from key j in rows and columns of an H x W grid,
+q_h,i the query of head h (after the layer's q norm, unscaled: the bias is added to
+q k^T / sqrt(d) as it is, as MViTv2's and SAM's code add it), and R_h (2H - 1, d), R_w (2W - 1, d)
+learned embeddings of the row and column offsets, shared by the heads (SAM's ``rel_pos_h`` and
+``rel_pos_w``). The bias depends on the query, so it has a batch dimension and is never cached.
+
+The embeddings are learned for one grid, ``table_size``; on a grid of another size each is
+resampled along its offsets to 2H - 1 (2W - 1) rows by linear interpolation
+(``align_corners=False``), what SAM's ``get_rel_pos`` does for an input of another size. The
+resampling runs in the forward pass (exact on the table's grid), so the learned embeddings keep
+their size and receive the gradient of every grid. Pairs that involve a prefix (class) token get no
+bias, as in MViTv2. The formulas, pair by pair: :func:`posattn.reference.decomposed_relative_position_bias`
+and :func:`posattn.reference.linear_resize`.
+"""
+from __future__ import annotations
+
+from typing import Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._cache import grid_constant
+from ..grid import TokenGrid, _is_integer
+from .base import PositionalModule
+from .registry import register_phi
+from .rpb import checked_prefix_count, checked_table_size
+
+__all__ = ['DecomposedRelativePositionBias', 'axis_offset_index', 'resampled_offsets']
+
+
+@grid_constant(max_bytes=16 << 20)
+def axis_offset_index(length: int, device: torch.device = torch.device('cpu')) -> torch.Tensor:
+    """Row of an axis's embeddings that every (query, key) pair along an axis of ``length`` positions
+    reads: query minus key plus length - 1, (length, length) int64, [query, key]; cached."""
+    positions = torch.arange(length, device=device)
+    return positions[:, None] - positions[None] + length - 1
+
+
+def resampled_offsets(embeddings: torch.Tensor, num_offsets: int) -> torch.Tensor:
+    """Offset embeddings (L, d) resampled along L to (num_offsets, d) by linear interpolation,
+    ``align_corners=False`` (SAM's ``get_rel_pos``); the embeddings themselves where L = num_offsets."""
+    return F.interpolate(embeddings.t()[None], size=num_offsets, mode='linear', align_corners=False)[0].t()
+
+
+@register_phi('decomposed_rpb')
+class DecomposedRelativePositionBias(PositionalModule):
+    """Decomposed relative position embeddings (module docstring); zero at init, as SAM's are, so
+    that swapping them into a trained model keeps its outputs.
+
+    Args:
+        head_dim: channels d of a head's query: the width of each embedding.
+        table_size: (H, W) of the grid the embeddings are learned for: 2H - 1 row offsets and 2W - 1
+            column offsets. Another grid reads them resampled linearly (module docstring). (14, 14)
+            is a 224 px image in 16 px patches, and SAM's 14 x 14 windows.
+        num_prefix_tokens: extra tokens before the grid; the attention layer's own count.
+    """
+
+    def __init__(self, head_dim: int, table_size: Sequence[int] = (14, 14), num_prefix_tokens: int = 0):
+        super().__init__()
+        if not _is_integer(head_dim) or head_dim < 1:
+            raise ValueError(f'decomposed_rpb head_dim must be an int >= 1, got {head_dim!r}')
+        if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
+            raise ValueError(f'decomposed_rpb num_prefix_tokens (extra tokens before the grid) must be an int '
+                             f'>= 0, got {num_prefix_tokens!r}')
+        height, width = checked_table_size(table_size, 'decomposed_rpb')
+        self.num_prefix_tokens = num_prefix_tokens
+        self.rel_pos_h = nn.Parameter(torch.zeros(2 * height - 1, int(head_dim)))  # SAM's names and layout
+        self.rel_pos_w = nn.Parameter(torch.zeros(2 * width - 1, int(head_dim)))
+
+    @classmethod
+    def of_tables(cls, rel_pos_h: nn.Parameter, rel_pos_w: nn.Parameter) -> 'DecomposedRelativePositionBias':
+        """The Φp whose embeddings are ``rel_pos_h`` and ``rel_pos_w`` themselves, a model's own (timm's
+        SAM ``Attention``'s: the same Parameters, so that a step of either trains them), learned for
+        the grid their numbers of offsets give, for attention without prefix tokens (SAM's)."""
+        for name, table in (('rel_pos_h', rel_pos_h), ('rel_pos_w', rel_pos_w)):
+            if not isinstance(table, nn.Parameter) or table.dim() != 2 or table.shape[0] % 2 == 0:
+                raise ValueError(f'decomposed_rpb takes {name} as a Parameter (2 L - 1, head_dim), an odd number of '
+                                 f'offsets of an axis of L positions; got {type(table).__name__} of shape '
+                                 f'{tuple(getattr(table, "shape", ()))}')
+        if rel_pos_h.shape[1] != rel_pos_w.shape[1]:
+            raise ValueError(f'decomposed_rpb takes rel_pos_h and rel_pos_w of the same head_dim, got '
+                             f'{rel_pos_h.shape[1]} and {rel_pos_w.shape[1]}')
+        table_size = ((rel_pos_h.shape[0] + 1) // 2, (rel_pos_w.shape[0] + 1) // 2)
+        phi = cls(rel_pos_h.shape[1], table_size)
+        phi.rel_pos_h, phi.rel_pos_w = rel_pos_h, rel_pos_w
+        return phi
+
+    @property
+    def table_size(self) -> Tuple[int, int]:
+        """(H, W) of the grid the embeddings are learned for."""
+        return (self.rel_pos_h.shape[0] + 1) // 2, (self.rel_pos_w.shape[0] + 1) // 2
+
+    @property
+    def head_dim(self) -> int:
+        """Channels of each embedding: the width of a head's query."""
+        return self.rel_pos_h.shape[1]
+
+    def offset_embeddings(self, height: int, width: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """R_h (2H - 1, d) and R_w (2W - 1, d) of an H x W grid, [dy + H - 1] and [dx + W - 1]: the
+        learned ones, resampled linearly, which gives them as they are on the table's grid.
+
+        The resampling runs whatever the size, and is exact there (every sample falls on a learned
+        value): a test of the size would fix the grid of a graph traced by ``torch.export``.
+        """
+        return resampled_offsets(self.rel_pos_h, 2 * height - 1), resampled_offsets(self.rel_pos_w, 2 * width - 1)
+
+    def logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
+        """b[h, i, j] of the module docstring from the queries q (B, heads, N, d): (B, heads, N, N) in
+        q's dtype, zero wherever a prefix token is."""
+        grid = checked_prefix_count(grid, self.num_prefix_tokens, 'decomposed_rpb')
+        if q.shape[-1] != self.head_dim:
+            raise ValueError(f'decomposed_rpb built with head_dim={self.head_dim} got queries of {q.shape[-1]} '
+                             f'channels a head: build it with head_dim={q.shape[-1]}')
+        height, width = grid.height, grid.width
+        along_rows, along_cols = self.offset_embeddings(height, width)
+        queries = q[:, :, grid.num_prefix_tokens:].unflatten(2, (height, width))  # (B, heads, H, W, d)
+        batch, heads = q.shape[:2]
+        # each query against every offset, then the offsets from its row (column) to each key row (column)
+        row_ids = axis_offset_index(height, q.device)[:, None].expand(batch, heads, height, width, height)
+        col_ids = axis_offset_index(width, q.device).expand(batch, heads, height, width, width)
+        row_terms = (queries @ along_rows.t().to(q.dtype)).gather(-1, row_ids)  # (B, heads, H, W, H): key row
+        col_terms = (queries @ along_cols.t().to(q.dtype)).gather(-1, col_ids)  # (B, heads, H, W, W): key column
+        bias = (row_terms[..., :, None] + col_terms[..., None, :]).flatten(4).flatten(2, 3)  # (B, heads, HW, HW)
+        return grid.pad_prefix(bias).to(q.dtype)
+
+    def extra_repr(self) -> str:
+        return (f'head_dim={self.head_dim}, table_size={self.table_size}, '
+                f'num_prefix_tokens={self.num_prefix_tokens}')

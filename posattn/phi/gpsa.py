@@ -1,0 +1,182 @@
+"""``gpsa``: gated positional self-attention, ConViT's (d'Ascoli et al., ICML 2021, Eq. 9-10), as
+timm's ``convit.GPSA`` computes it. Head h attends with a mixture of the layer's content attention
+and a positional attention that depends on the offset between query and key alone:
+
+    A_h = (1 - σ(λ_h)) softmax(q k^T / sqrt(d)) + σ(λ_h) softmax(v_h · r_ij + c_h),
+
+renormalised so that every row sums to 1 (timm divides by the row sum). r_ij = (dx, dy, dx² + dy²)
+is the offset of key j from query i, key minus query in grid units, dx along the columns and dy
+along the rows (timm's ``rel_indices`` channels, in that order); v_h and c_h are the weight row
+and bias of head h of ``pos_proj``, a Linear(3, heads); λ_h is ``gating_param[h]``, 1 at init
+(σ(1) = 0.73 of positional attention). This Φp mixes the layer's probabilities (the content
+softmax, with whatever logits bias the layer adds: a swapped model's own) and adds no logits bias.
+
+Prefix tokens: ConViT's GPSA layers see the patch grid alone. With prefix (class) tokens, the
+positional attention runs over the grid: a grid query mixes its content attention (over all keys)
+with a positional attention over the grid keys (a prefix key gets none of it); a prefix query,
+which has no grid position, keeps its content attention. Key mask: masked keys get no weight in
+either term (the positional softmax leaves them out); a query with no grid key left keeps its
+content attention, one with no key at all gets a zero row.
+
+Local init (``local_init``, timm's ``GPSA.local_init``): with k = floor(sqrt(heads)) and c = (k - 1) / 2,
+head h1 + k h2 (h1, h2 in 0 .. k - 1) gets v_h = α (2 (h2 - c), 2 (h1 - c), -1), α =
+``locality_strength``, so that its positional logit is -α ||(dx, dy) - Δ_h||² + const: a Gaussian
+around the offset Δ_h = (h2 - c, h1 - c), the k² heads tiling a k x k neighbourhood like the taps of
+a convolution, sharper with α. The other weights are drawn from a normal of std 0.02 truncated at
+±2, the biases are zero (timm's ConViT initialisation). timm's local init also sets the layer's
+value projection to the identity: that is the layer's weight, not this module's, and a posattn
+layer keeps its own initialisation of it. The formula, pair by pair:
+:func:`posattn.reference.gpsa_position_attention` and :func:`posattn.reference.gpsa_attention`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._cache import grid_constant
+from ..grid import TokenGrid, _is_integer
+from .base import PositionalModule
+from .registry import register_phi
+
+__all__ = ['GatedPositionalAttention', 'relative_offsets', 'local_offsets']
+
+
+@grid_constant(max_bytes=256 << 20)
+def relative_offsets(height: int, width: int, dtype: torch.dtype = torch.float32,
+                     device: torch.device = torch.device('cpu')) -> torch.Tensor:
+    """r_ij = (dx, dy, dx² + dy²), key j minus query i, of an H x W grid: (3, HW, HW) in ``dtype``,
+    [channel, query, key], the channels in the order of timm's ``rel_indices``; cached. A pure
+    function of its arguments."""
+    rows, cols = TokenGrid(height, width).positions(device)
+    dx = cols[None] - cols[:, None]  # (HW, HW), exact in int64
+    dy = rows[None] - rows[:, None]
+    return torch.stack([dx, dy, dx * dx + dy * dy]).to(dtype)
+
+
+def local_offsets(num_heads: int) -> Tuple[Tuple[float, float], ...]:
+    """Δ_h = (dx, dy) that the local init centres each of the first k² heads on (module docstring),
+    k = floor(sqrt(heads)); the other heads have none."""
+    kernel_size = math.isqrt(num_heads)
+    center = (kernel_size - 1) / 2
+    offsets = [None] * kernel_size ** 2
+    for h1 in range(kernel_size):
+        for h2 in range(kernel_size):
+            offsets[h1 + kernel_size * h2] = (h2 - center, h1 - center)
+    return tuple(offsets)
+
+
+@register_phi('gpsa')
+class GatedPositionalAttention(PositionalModule):
+    """ConViT's gated positional self-attention (module docstring): the layer's content attention
+    mixed, per head, with a learned positional attention by a learned gate.
+
+    Args:
+        num_heads: attention heads: one positional attention and one gate each.
+        locality_strength: α of the local init, how sharply each head's positional attention
+            peaks around its offset (ConViT's default 1); used by ``local_init`` only.
+        local_init: ConViT's local init of ``pos_proj`` (module docstring); False leaves every
+            weight drawn (std 0.02) and the positional attention nearly uniform.
+        num_prefix_tokens: extra tokens before the grid; the attention layer's own count.
+    """
+
+    def __init__(self, num_heads: int, locality_strength: float = 1.0, local_init: bool = True,
+                 num_prefix_tokens: int = 0):
+        super().__init__()
+        if not _is_integer(num_heads) or num_heads < 1:
+            raise ValueError(f'gpsa num_heads must be an int >= 1, got {num_heads!r}')
+        if isinstance(locality_strength, bool) or not isinstance(locality_strength, (int, float)) or not (
+                math.isfinite(locality_strength) and locality_strength > 0):
+            raise ValueError(f'gpsa locality_strength must be a finite number > 0, got {locality_strength!r}')
+        if not isinstance(local_init, bool):
+            raise ValueError(f'gpsa local_init must be True or False, got {local_init!r}')
+        if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
+            raise ValueError(f'gpsa num_prefix_tokens (extra tokens before the grid) must be an int >= 0, '
+                             f'got {num_prefix_tokens!r}')
+        self.num_heads = int(num_heads)
+        self.locality_strength = float(locality_strength)
+        self.local_init = local_init
+        self.num_prefix_tokens = num_prefix_tokens
+        self.pos_proj = nn.Linear(3, self.num_heads)  # timm's names
+        self.gating_param = nn.Parameter(torch.ones(self.num_heads))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """timm's ConViT initialisation: ``pos_proj`` drawn (std 0.02) with zero bias, then the local
+        init if asked for; every gate 1."""
+        with torch.no_grad():
+            nn.init.trunc_normal_(self.pos_proj.weight, std=0.02)
+            nn.init.zeros_(self.pos_proj.bias)
+            nn.init.ones_(self.gating_param)
+            if self.local_init:
+                for head, (dx, dy) in enumerate(local_offsets(self.num_heads)):
+                    self.pos_proj.weight[head] = torch.tensor([2 * dx, 2 * dy, -1.0])
+                self.pos_proj.weight.mul_(self.locality_strength)  # all heads, as timm's local_init
+
+    @property
+    def gate(self) -> torch.Tensor:
+        """σ(λ_h), the share of positional attention of every head, (heads,)."""
+        return torch.sigmoid(self.gating_param)
+
+    def _grid(self, grid: TokenGrid) -> TokenGrid:
+        if grid.num_prefix_tokens != self.num_prefix_tokens:
+            raise ValueError(f'gpsa built with num_prefix_tokens={self.num_prefix_tokens} got a {grid}: build it '
+                             f'with num_prefix_tokens={grid.num_prefix_tokens}, the number of extra tokens')
+        return grid
+
+    def position_logits(self, height: int, width: int) -> torch.Tensor:
+        """v_h · r_ij + c_h over the grid pairs: (heads, HW, HW) in ``pos_proj``'s dtype, [head, query, key].
+
+        Written out channel by channel, so that autocast leaves it in that dtype (its value may be
+        cached, and does not depend on whether the call runs under autocast)."""
+        weight, bias = self.pos_proj.weight, self.pos_proj.bias
+        dx, dy, squared = relative_offsets(height, width, weight.dtype, weight.device)  # each (HW, HW)
+        per_channel = weight[:, :, None, None]  # (heads, 3, 1, 1)
+        logits = per_channel[:, 0] * dx + per_channel[:, 1] * dy + per_channel[:, 2] * squared
+        return logits if bias is None else logits + bias[:, None, None]
+
+    def position_attention(self, height: int, width: int) -> torch.Tensor:
+        """The positional attention softmax_j(v_h · r_ij + c_h) over the grid pairs: (heads, HW, HW),
+        rows summing to 1, [head, query, key]; served by :func:`posattn.cache_positions` inside its block."""
+        if self.position_cache is not None:  # a function of pos_proj alone
+            weight, bias = self.pos_proj.weight, self.pos_proj.bias
+            inputs = (weight,) if bias is None else (weight, bias)
+            return self.position_cache.get(self, (height, width, weight.dtype, weight.device), inputs,
+                                           lambda: self.position_logits(height, width).softmax(-1))
+        return self.position_logits(height, width).softmax(-1)
+
+    def _masked_position_attention(self, grid: TokenGrid, key_mask: torch.Tensor) -> torch.Tensor:
+        """The positional attention over the grid keys ``key_mask`` (B, N) keeps: (B, heads, HW, HW);
+        zero for a sequence with no grid key left."""
+        grid_keys = key_mask[:, grid.num_prefix_tokens:].to(self.pos_proj.weight.device)  # (B, HW)
+        has_grid_key = grid_keys.any(-1, keepdim=True)  # (B, 1)
+        kept = grid_keys | ~has_grid_key  # such a sequence keeps all, so its softmax stays finite
+        logits = self.position_logits(grid.height, grid.width)[None]  # (1, heads, HW, HW)
+        logits = logits.masked_fill(~kept[:, None, None, :], float('-inf'))
+        return logits.softmax(-1).masked_fill(~has_grid_key[:, :, None, None], 0.0)
+
+    def _query_gates(self, grid: TokenGrid) -> torch.Tensor:
+        """σ(λ_h) for every grid query, 0 for a prefix query: (1, heads, N, 1)."""
+        gates = self.gate[None, :, None, None].expand(1, -1, grid.num_grid_tokens, 1)
+        return F.pad(gates, (0, 0, grid.num_prefix_tokens, 0)) if grid.num_prefix_tokens else gates
+
+    def mix_probabilities(self, attn: torch.Tensor, grid: TokenGrid,
+                          key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A of the module docstring from the content probabilities ``attn`` (B, heads, N, N): (B, heads,
+        N, N) in ``attn``'s dtype, rows summing to 1 (0 for a query with no key left)."""
+        grid = self._grid(grid)
+        if key_mask is None:
+            position = self.position_attention(grid.height, grid.width)[None]  # (1, heads, HW, HW)
+        else:
+            position = self._masked_position_attention(grid, key_mask)  # (B, heads, HW, HW)
+        gates = self._query_gates(grid).to(attn.dtype)
+        mixed = (1.0 - gates) * attn + gates * grid.pad_prefix(position.to(attn.dtype))
+        total = mixed.sum(-1, keepdim=True)
+        return mixed / total.masked_fill(total == 0, 1.0)
+
+    def extra_repr(self) -> str:
+        return (f'num_heads={self.num_heads}, locality_strength={self.locality_strength}, '
+                f'local_init={self.local_init}, num_prefix_tokens={self.num_prefix_tokens}')
