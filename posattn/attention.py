@@ -177,13 +177,14 @@ class Attention(nn.Module):
 
     def _check_memory(self, q: torch.Tensor, grid: TokenGrid, materialised: bool) -> None:
         """Fail before the work when the (heads, N, N) terms this call needs cannot fit: a
-        positional bias (and its computation, about as large again), and the attention
+        positional bias (and its computation, about as large again; once per image for a bias that
+        depends on the tokens), and the attention
         probabilities (B, heads, N, N) where they are materialised. A traced call (``torch.compile``,
         ``torch.export``) checks nothing: its sizes may be symbolic, and the check would fix them."""
         if torch.compiler.is_compiling():
             return
         batch, heads, tokens, _ = q.shape
-        pair_terms = 2 if self.phi.gives_logits_bias else 0
+        pair_terms = (2 * (batch if self.phi.bias_per_image else 1)) if self.phi.gives_logits_bias else 0
         if materialised:
             pair_terms += 2 * batch
         nbytes = pair_terms * heads * tokens * tokens * q.element_size()

@@ -35,11 +35,14 @@ class PositionalModule(nn.Module):
     Class attributes:
         uses_attention_probs: True when :meth:`value_term` contributes, which needs the
             attention probabilities materialised (no fused kernel).
+        bias_per_image: True when the logits bias depends on the tokens, (B, heads, N, N) rather
+            than (1, heads, N, N): the layer's memory check counts it once per image.
         position_cache: the :class:`~posattn._cache.PositionCache` a token-independent bias may be
             served from, set by :func:`posattn.cache_positions` for the length of its block; None
             (no caching) otherwise.
     """
     uses_attention_probs: bool = False
+    bias_per_image: bool = False
     position_cache: Optional[PositionCache] = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> Optional[torch.Tensor]:

@@ -62,6 +62,8 @@ class DecomposedRelativePositionBias(PositionalModule):
         num_prefix_tokens: extra tokens before the grid; the attention layer's own count.
     """
 
+    bias_per_image = True  # the bias reads the queries
+
     def __init__(self, head_dim: int, table_size: Sequence[int] = (14, 14), num_prefix_tokens: int = 0):
         super().__init__()
         if not _is_integer(head_dim) or head_dim < 1:

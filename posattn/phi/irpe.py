@@ -152,6 +152,7 @@ class IRPE(PositionalModule):
         self.shared_head, self.ratio, self.num_prefix_tokens = shared_head, float(ratio), num_prefix_tokens
         self.num_buckets = num_buckets(method, self.ratio, num_prefix_tokens)
         self.uses_attention_probs = 'v' in on
+        self.bias_per_image = mode == 'ctx' and ('q' in on or 'k' in on)
         for target in on:
             if method == 'cross':
                 tables = nn.ModuleDict({axis: LookupTable(self.table_shape(target), mode) for axis in _CROSS_AXES})
