@@ -24,7 +24,7 @@ MMCV_BUILD_DIR ?= $(ROOT)/.wheels/torch-2.14.1-$(PY_TAG)
 PREBUILT_MMCV := $(wildcard $(WHEELS)/mmcv-2.1.0-$(PY_TAG)-*.whl)
 export PIP_FIND_LINKS := $(strip $(PIP_FIND_LINKS) $(wildcard $(WHEELS)) $(MMCV_BUILD_DIR))
 
-.PHONY: setup test run bench mmcv-wheel
+.PHONY: setup test run bench mmcv-wheel gpu-wheels gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,3 +54,38 @@ bench: setup
 mmcv-wheel: | $(BIN)/python
 	$(BIN)/python -m pip install --quiet $(TORCH_PINS)
 	bash tools/build_mmcv.sh $(BIN)/python $(MMCV_BUILD_DIR)
+
+# The GPU kit (docs/performance.md, "On a GPU"). Here, with the package index at hand: make gpu-wheels.
+# Then on the GPU machine, from a copy of this checkout that includes GPU_WHEELS, with no network:
+# make gpu-check, then python benchmarks/report.py with the OUT folder. gpu-check runs the interpreter
+# on PATH with its own torch (>= 2.5, whatever build the machine has), posattn installed from
+# GPU_WHEELS without an index or dependencies into GPU_SITE, a folder put on PYTHONPATH for the run.
+#   GPU_WHEELS  the wheels the GPU machine may lack, both pure Python: posattn's own, and einops'
+#               (installed only where the interpreter has no einops); never torch
+#   GPU_SITE    where gpu-check installs them
+#   DEVICE      the device of the tests and benchmarks: cuda, or cpu to check the kit itself
+#   OUT         the folder of the results (JSON, JUnit XML, logs, summary.json); an OUT in the
+#               environment is used
+#   QUICK       1: no slow tests, fewer rounds, no torch.compile stage (on the CPU every size is tiny)
+#   BUDGET      seconds for the whole run (benchmarks/gpu_check.py's default: 450 on cuda, 1800 on cpu)
+GPU_WHEELS ?= $(ROOT)/dist/gpu-wheels
+GPU_SITE ?= $(ROOT)/build/gpu-site
+DEVICE ?= cuda
+OUT ?= $(ROOT)/build/gpu-check
+QUICK ?=
+BUDGET ?=
+
+# posattn's wheel is built from a copy of the package's files, so that no stale build/ folder leaks into it.
+gpu-wheels:
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	staging=$$(mktemp -d) && cp -r pyproject.toml README.md LICENSE posattn integrations $$staging/ && \
+	$(PYTHON) -m pip wheel --quiet --no-deps --wheel-dir $(GPU_WHEELS) $$staging 'einops>=0.7'; \
+	status=$$?; rm -rf $$staging; exit $$status
+	ls -l $(GPU_WHEELS)
+
+gpu-check:
+	rm -rf $(GPU_SITE)
+	$(PYTHON) -m pip install --quiet --no-index --no-deps --find-links $(GPU_WHEELS) --target $(GPU_SITE) posattn \
+		$$($(PYTHON) -c 'import einops' 2>/dev/null || echo einops)
+	PYTHONPATH=$(GPU_SITE) $(PYTHON) benchmarks/gpu_check.py --device $(DEVICE) --out $(OUT) \
+		$(if $(BUDGET),--budget $(BUDGET)) $(if $(filter 1 yes true,$(QUICK)),--quick)

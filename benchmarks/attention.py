@@ -20,7 +20,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from common import op_profile, peak_memory_mb, print_table, save_json, step_profile, time_interleaved
+from common import (add_out_argument, op_profile, peak_memory_mb, print_table, save_json,
+                    step_profile, time_interleaved)
 
 from posattn import Attention, TokenGrid, cache_positions, reference
 from posattn.functional import biased_attention
@@ -128,8 +129,16 @@ def run(args) -> List[Dict[str, object]]:
 IRPE_K = dict(method='product', mode='ctx', on='k', shared_head=True, ratio=1.9)
 
 
+# The Φp of the plugin rows, one or more per hook of the Φp interface (docs/phi.md): tokens (peg),
+# queries_keys (rope), logits_bias (irpe ctx-k, rpb, alibi, decomposed_rpb), mix_probabilities
+# (gpsa), value_term (irpe ctx-v).
+PLUGINS = {'peg': ('peg', None), 'irpe ctx-k': ('irpe', IRPE_K), 'irpe ctx-v': ('irpe', dict(mode='ctx', on='v')),
+           'rpb': ('rpb', None), 'alibi': ('alibi', None), 'decomposed_rpb': ('decomposed_rpb', None),
+           'rope axial': ('rope', None), 'rope mixed': ('rope', dict(frequencies='mixed')), 'gpsa': ('gpsa', None)}
+
+
 def plugin_rows(args) -> List[Dict[str, object]]:
-    """The layer with PEG, iRPE-K, rpb or alibi against plain attention, fwd+bwd, with a class token."""
+    """The layer with each Φp of ``PLUGINS`` against plain attention, fwd+bwd, with a class token."""
     device, dtype = args.device, DTYPES[args.dtype]
     dim, heads = args.dim, args.heads
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
@@ -137,12 +146,10 @@ def plugin_rows(args) -> List[Dict[str, object]]:
     for size in args.grids:
         grid = TokenGrid(size, size, 1)
         layers = {'none': Attention(dim, heads, num_prefix_tokens=1),
-                  'peg': Attention(dim, heads, phi='peg', num_prefix_tokens=1),
-                  'irpe ctx-k': Attention(dim, heads, phi='irpe', phi_cfg=IRPE_K, num_prefix_tokens=1),
-                  'rpb': Attention(dim, heads, phi='rpb', num_prefix_tokens=1),
-                  'alibi': Attention(dim, heads, phi='alibi', num_prefix_tokens=1)}
+                  **{name: Attention(dim, heads, phi=phi, phi_cfg=cfg, num_prefix_tokens=1)
+                     for name, (phi, cfg) in PLUGINS.items()}}
         steps = layer_steps({name: layer.to(device) for name, layer in layers.items()}, grid, args, autocast)
-        for phi in ('peg', 'irpe ctx-k', 'rpb', 'alibi'):
+        for phi in PLUGINS:
             limit = 1.35 if phi == 'irpe ctx-k' and size <= 14 else None
             rows.append(compare(
                 'layer fwd+bwd, class token', size, {phi: steps[phi], 'none': steps['none']},
@@ -184,6 +191,7 @@ def main() -> None:
     parser.add_argument('--repeat', type=int, default=15)
     parser.add_argument('--no-profile', dest='profile', action='store_false',
                         help='skip the profiles of where the layer and Φp spend their time')
+    add_out_argument(parser)
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = run(args)
@@ -203,7 +211,7 @@ def main() -> None:
     path = save_json(f'attention-{args.device.type}-{args.dtype}', {'settings': {
         'batch': args.batch, 'dim': args.dim, 'heads': args.heads, 'dtype': args.dtype,
         'device': str(args.device), 'repeat': args.repeat, 'profile': args.profile}, 'rows': rows,
-        'profile': profiles})
+        'profile': profiles}, folder=args.out)
     print(f'saved {path}')
 
 

@@ -1,10 +1,12 @@
-"""Measuring helpers shared by the benchmarks: interleaved timing, peak memory, tables, JSON.
+"""Measuring helpers shared by the benchmarks: interleaved timing, peak memory, the machine, tables,
+JSON, and the release's Φp on any device.
 
 Ratios are only meaningful when both sides run in the same process, on the same inputs, close
 in time: :func:`time_interleaved` alternates the variants round by round and reports medians.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -75,6 +77,8 @@ def peak_memory_mb(fn: Callable[[], object], device: torch.device = torch.device
 
 
 def machine() -> Dict[str, object]:
+    """torch, Python, the CPU and, where CUDA is available, the GPU, its CUDA and cuDNN versions and
+    whether TF32 is allowed (it changes float32 speed and precision on the GPU)."""
     info = {'torch': torch.__version__, 'python': platform.python_version(),
             'threads': torch.get_num_threads(), 'processor': platform.processor() or platform.machine()}
     try:
@@ -84,7 +88,11 @@ def machine() -> Dict[str, object]:
     except OSError:
         pass
     if torch.cuda.is_available():
-        info['gpu'] = torch.cuda.get_device_name()
+        properties = torch.cuda.get_device_properties(torch.cuda.current_device())
+        info.update({'gpu': properties.name, 'gpu memory GiB': round(properties.total_memory / 2 ** 30, 1),
+                     'compute capability': f'{properties.major}.{properties.minor}', 'cuda': torch.version.cuda,
+                     'cudnn': torch.backends.cudnn.version(), 'tf32 matmul': torch.backends.cuda.matmul.allow_tf32,
+                     'tf32 cudnn': torch.backends.cudnn.allow_tf32})
     return info
 
 
@@ -105,9 +113,16 @@ def _format(value: object) -> str:
     return str(value)
 
 
-def save_json(name: str, payload: Mapping[str, object]) -> Path:
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f'{name}.json'
+def add_out_argument(parser: argparse.ArgumentParser) -> None:
+    """``--out FOLDER``: where a benchmark saves its JSON (``benchmarks/results`` by default)."""
+    parser.add_argument('--out', type=Path, default=RESULTS,
+                        help='folder for the JSON results (default: benchmarks/results)')
+
+
+def save_json(name: str, payload: Mapping[str, object], folder: Path = RESULTS) -> Path:
+    """``folder/name.json``: the machine (:func:`machine`) and ``payload``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f'{name}.json'
     path.write_text(json.dumps({'machine': machine(), **payload}, indent=2) + '\n')
     return path
 

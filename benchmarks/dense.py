@@ -6,16 +6,18 @@
 
 Side by side in one run, timed round-robin (median of ``--repeat`` rounds), in train mode (Φp
 recomputed every forward, as while training), for each image size:
-- backbone forward + backward (``PosattnPerViT``, 14 x 14 windows, global blocks 3, 7, 11, last
-  map out): peripheral Φp; the same backbone with every Φp swapped for ``none`` (plain attention,
-  the CPE convolutions kept, so the difference is Φp's cost); peripheral with ``with_cp``;
+- backbone forward + backward (PerViT-T without its head, 14 x 14 windows, global blocks 3, 7,
+  11, the last map out through the final norm: the model that the detection configs'
+  ``PosattnPerViT`` wraps, built here without OpenMMLab): peripheral Φp; the same backbone with
+  every Φp swapped for ``none`` (plain attention, the CPE convolutions kept, so the difference is
+  Φp's cost); peripheral with gradient checkpointing (the configs' ``with_cp``);
 - Φp alone, one layer (4 heads), on the window grid and on the whole grid of the global blocks:
   forward without grad (eval, before the per-grid cache holds it), forward + backward;
 - peak memory of each (CPU: allocator events; CUDA: the allocator's peak);
 - where the forward + backward of the peripheral and ``none`` backbones spend their time, by
   kind of op (the CPU profiler, a separate run: ``common.step_profile``).
 Targets, peripheral / none backbone time: <= 1.4x at 512 x 512, <= 2.5x at 800 x 1344.
-Prints the tables and saves ``benchmarks/results/dense-<device>-<dtype>.json``.
+Prints the tables and saves ``dense-<device>-<dtype>.json`` in ``--out`` (``benchmarks/results``).
 """
 from __future__ import annotations
 
@@ -25,10 +27,10 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from common import peak_memory_mb, print_table, save_json, step_profile, time_interleaved
+from common import add_out_argument, peak_memory_mb, print_table, save_json, step_profile, time_interleaved
 
 import posattn
-from posattn_openmmlab.backbones import PosattnPerViT
+from posattn.models.pervit import PerViT
 from posattn.phi.peripheral import PeripheralPhi
 
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16}
@@ -45,24 +47,26 @@ def image_size(text: str) -> Tuple[int, int]:
         raise argparse.ArgumentTypeError(f'image size {text!r} is not HEIGHTxWIDTH, e.g. 800x1344') from None
 
 
-def backbones(args) -> Dict[str, PosattnPerViT]:
-    cfg = dict(arch='tiny', out_indices=(11,), window_size=args.window_size, global_blocks=tuple(args.global_blocks))
+def backbones(args) -> Dict[str, PerViT]:
+    """The backbone with peripheral Φp, with every Φp swapped for ``none``, and with gradient
+    checkpointing; the same weights."""
     torch.manual_seed(0)
-    peripheral = PosattnPerViT(**cfg)
+    peripheral = posattn.create_model('pervit_tiny', num_classes=0, global_pool='', window_size=args.window_size,
+                                      global_blocks=tuple(args.global_blocks))
     plain = copy.deepcopy(peripheral)
-    for block in plain.model.blocks:
+    for block in plain.blocks:
         block.attn.phi = posattn.build_phi('none')
-    checkpointed = PosattnPerViT(**cfg, with_cp=True)
-    checkpointed.load_state_dict(peripheral.state_dict())
+    checkpointed = copy.deepcopy(peripheral)
+    checkpointed.set_grad_checkpointing(True)
     return {'peripheral': peripheral, 'none': plain, 'peripheral, with_cp': checkpointed}
 
 
-def forward_backward(backbone: PosattnPerViT, images: torch.Tensor, autocast) -> Callable[[], None]:
+def forward_backward(backbone: PerViT, images: torch.Tensor, autocast) -> Callable[[], None]:
     backbone.train()
 
     def step():
         with autocast:
-            (feature_map,) = backbone(images)
+            feature_map = backbone.forward_features(images)  # (B, C, H/16, W/16)
         feature_map.float().mean().backward()
         backbone.zero_grad(set_to_none=True)
     return step
@@ -82,7 +86,7 @@ def phi_steps(phi: PeripheralPhi, height: int, width: int) -> Dict[str, Callable
     return {'forward (eval)': forward, 'forward + backward': forward_backward}
 
 
-def backbone_rows(args, size: Tuple[int, int], models: Dict[str, PosattnPerViT], autocast) -> List[Dict[str, object]]:
+def backbone_rows(args, size: Tuple[int, int], models: Dict[str, PerViT], autocast) -> List[Dict[str, object]]:
     images = torch.randn(args.batch, 3, *size, device=args.device)
     fns = {name: forward_backward(model, images, autocast) for name, model in models.items()}
     times = time_interleaved(fns, repeat=args.repeat, warmup=args.warmup, device=args.device)
@@ -98,7 +102,7 @@ def backbone_rows(args, size: Tuple[int, int], models: Dict[str, PosattnPerViT],
     return rows
 
 
-def profile_rows(args, size: Tuple[int, int], models: Dict[str, PosattnPerViT], autocast) -> List[Dict[str, object]]:
+def profile_rows(args, size: Tuple[int, int], models: Dict[str, PerViT], autocast) -> List[Dict[str, object]]:
     """Milliseconds of the peripheral and ``none`` backbones' forward + backward by kind of op."""
     images = torch.randn(args.batch, 3, *size, device=args.device)
     spent = {name: step_profile(forward_backward(models[name], images, autocast), steps=1)
@@ -137,10 +141,11 @@ def main() -> None:
     parser.add_argument('--no-memory', dest='memory', action='store_false', help='skip peak-memory runs')
     parser.add_argument('--no-profile', dest='profile', action='store_false',
                         help='skip the profile of where the backbones spend their time')
+    add_out_argument(parser)
     args = parser.parse_args()
     autocast = torch.autocast(args.device.type, dtype=DTYPES[args.dtype], enabled=args.dtype != 'fp32')
     models = {name: model.to(args.device) for name, model in backbones(args).items()}
-    phi = models['peripheral'].model.blocks[args.global_blocks[0] if args.global_blocks else 0].attn.phi
+    phi = models['peripheral'].blocks[args.global_blocks[0] if args.global_blocks else 0].attn.phi
     rows, phis, profiles = [], [], []
     for size in args.sizes:
         rows += backbone_rows(args, size, models, autocast)
@@ -162,8 +167,8 @@ def main() -> None:
         'settings': {'sizes': [f'{h}x{w}' for h, w in args.sizes], 'batch': args.batch, 'dtype': args.dtype,
                      'device': str(args.device), 'window_size': args.window_size,
                      'global_blocks': args.global_blocks, 'repeat': args.repeat, 'warmup': args.warmup,
-                     'profile': args.profile},
-        'backbone': rows, 'phi': phis, 'profile': profiles})
+                     'profile': args.profile, 'memory': args.memory},
+        'backbone': rows, 'phi': phis, 'profile': profiles}, folder=args.out)
     print(f'saved {path}')
 
 

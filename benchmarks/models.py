@@ -2,7 +2,7 @@
 
     python benchmarks/models.py                       # fp32, CPU, batches 8 and 32, 224 x 224
     python benchmarks/models.py --quick               # batch 8, few rounds: checks that it runs
-    python benchmarks/models.py --device cuda --dtype bf16 --batch 256
+    python benchmarks/models.py --device cuda --dtype bf16 --batch 128 256 --no-profile --no-gmac
 
 Side by side in one run, timed round-robin (median of ``--repeat`` rounds):
 - training step (forward, cross-entropy, backward, AdamW step), images/s: PerViT-T, DeiT-T
@@ -21,9 +21,10 @@ separate run: ``common.step_profile``). Then GMAC per image of PerViT-T/S/M and 
 counts them (no Φp, and no q k^T or A v products: that gives its 1.6 / 4.4 / 9.0), with the
 attention products but Φp cached, with Φp counted as posattn computes it, and as the release does.
 With ``--compile``, the training steps of PerViT-T and DeiT-T compiled by ``torch.compile``
-(Inductor, whole graphs, no compile cache) join the same rounds, and the first call of each
-(compiling, then one step) is timed on its own.
-Prints the tables and saves ``benchmarks/results/models-<device>-<dtype>[-compiled].json``.
+(Inductor, whole graphs, no compile cache) join the same rounds, each against its eager step, and
+the first call of each (compiling, then one step) is timed on its own.
+Prints the tables and saves ``models-<device>-<dtype>[-compiled].json`` in ``--out``
+(``benchmarks/results``).
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from common import peak_memory_mb, print_table, save_json, step_profile, time_interleaved
+from common import (add_out_argument, peak_memory_mb, print_table, save_json, step_profile,
+                    time_interleaved)
 
 import posattn
 from posattn import reference
@@ -67,6 +69,11 @@ class ReleaseMPA(nn.Module):
     def __init__(self, layer: posattn.Attention, height: int, width: int):
         super().__init__()
         self.layer, self.height, self.width = layer, height, width
+
+    @property
+    def phi(self) -> PeripheralPhi:
+        """The layer's Φp, where PerViT points every Φp at the model's distance embedding."""
+        return self.layer.phi
 
     def forward(self, x: torch.Tensor, hw: TokenGrid) -> torch.Tensor:
         layer = self.layer
@@ -193,6 +200,10 @@ def check_targets(rows: List[Dict[str, object]]) -> List[Dict[str, object]]:
                 ratio = ms[(task, batch, 'PerViT-T, compiled')] / ms[(task, batch, 'DeiT-T, compiled')]
                 checks.append({'check': 'PerViT-T / DeiT-T step time, both compiled', 'batch': batch, 'ratio': ratio,
                                'target': f'<= {limit}', 'met': ratio <= limit})
+                for name in ('PerViT-T', 'DeiT-T'):
+                    checks.append({'check': f'{name} compiled / eager step time', 'batch': batch,
+                                   'ratio': ms[(task, batch, f'{name}, compiled')] / ms[(task, batch, name)],
+                                   'target': 'report', 'met': ''})
         else:
             checks.append({'check': 'PerViT-T / DeiT-T inference time', 'batch': batch, 'ratio': value / deit,
                            'target': '<= 1.15', 'met': value / deit <= 1.15})
@@ -259,13 +270,16 @@ def main() -> None:
                         help='add the training steps of PerViT-T and DeiT-T compiled by torch.compile')
     parser.add_argument('--no-profile', dest='profile', action='store_false',
                         help='skip the profile of where the training steps spend their time')
+    parser.add_argument('--no-gmac', dest='gmac', action='store_false',
+                        help='skip the GMAC count of PerViT-T/S/M and DeiT-T (on the CPU, whatever --device)')
+    add_out_argument(parser)
     args = parser.parse_args()
     if args.quick:
         args.batch, args.repeat, args.warmup = [8], 3, 1
     compile_rows: List[Dict[str, object]] = []
     rows = speed_rows(args, compile_rows)
     checks = check_targets(rows) + check_compile(compile_rows)
-    macs = gmac_rows(args.size)
+    macs = gmac_rows(args.size) if args.gmac else []
     profiles = profile_rows(args) if args.profile else []
     print(f'{args.size}x{args.size} {args.dtype} on {args.device}, {torch.get_num_threads()} threads, '
           f'torch {torch.__version__}, median of {args.repeat} rounds')
@@ -280,14 +294,15 @@ def main() -> None:
     if compile_rows:
         print_table(compile_rows, ['model', 'batch', 'first call s'])
         print()
-    print_table(macs, ['model', 'params M', 'GMAC as the paper counts', 'GMAC, Φp cached', 'GMAC, Φp by posattn', 'GMAC, Φp by the release',
-                       'Φp by the release, GMAC'])
+    if macs:
+        print_table(macs, ['model', 'params M', 'GMAC as the paper counts', 'GMAC, Φp cached', 'GMAC, Φp by posattn',
+                           'GMAC, Φp by the release', 'Φp by the release, GMAC'])
     path = save_json(f'models-{args.device.type}-{args.dtype}' + ('-compiled' if args.compile else ''), {
         'settings': {'batch': args.batch, 'size': args.size, 'dtype': args.dtype, 'device': str(args.device),
                      'repeat': args.repeat, 'warmup': args.warmup, 'quick': args.quick, 'compile': args.compile,
-                     'profile': args.profile},
+                     'profile': args.profile, 'memory': args.memory},
         'rows': rows, 'checks': checks, 'compile': compile_rows, 'gmac': macs,
-        'step profile': profiles})
+        'step profile': profiles}, folder=args.out)
     print(f'saved {path}')
 
 

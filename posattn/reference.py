@@ -57,7 +57,8 @@ def peripheral_position_attention(height: int, width: int, weights: PeripheralWe
     sigmoid.
     """
     w = weights
-    ys, xs = padded_coordinates(height, w.distance_weight.dtype), padded_coordinates(width, w.distance_weight.dtype)
+    dtype, device = w.distance_weight.dtype, w.distance_weight.device
+    ys, xs = padded_coordinates(height, dtype, device), padded_coordinates(width, dtype, device)
     coords = torch.stack(torch.meshgrid(ys, xs, indexing='ij'), dim=-1).reshape(-1, 2)
     distances = (coords[None, :, :] - coords[:, None, :]).square().sum(-1).sqrt()  # [q, k] = ||c_k - c_q||
     embedded = F.linear(distances[..., None], w.distance_weight, w.distance_bias)  # (N', N', D_r)

@@ -1,6 +1,6 @@
-"""Shared test helpers: the full reference fixtures in ../shared beside the checkout, seeded
-determinism, the tools' folder on the import path, random peripheral Φp weights, and running the
-repository's tools in a subprocess."""
+"""Shared test helpers: the ``--device`` option and its ``device`` fixture, the full reference
+fixtures in ../shared beside the checkout, seeded determinism, the tools' folder on the import path,
+random peripheral Φp weights, and running the repository's tools in a subprocess."""
 import importlib.util
 import os
 import subprocess
@@ -17,6 +17,77 @@ FIXTURES = SHARED / 'fixtures'
 # that tools/test.py never shadows the standard library's test package).
 if str(REPO / 'tools') not in sys.path:
     sys.path.append(str(REPO / 'tools'))
+
+
+def pytest_addoption(parser):
+    parser.addoption('--device', default='cpu', metavar='DEVICE',
+                     help='device of the device-aware tests, those that take the `device` fixture: cpu '
+                          '(default), cuda or cuda:N. The other tests run on the CPU whatever it is.')
+
+
+def _requested_device(config) -> torch.device:
+    """The ``--device`` of this run, checked: a CPU or an available CUDA device."""
+    name = config.getoption('device')
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise pytest.UsageError(f'--device {name!r} is not a torch device; use cpu, cuda or cuda:N') from None
+    if device.type not in ('cpu', 'cuda'):
+        raise pytest.UsageError(f'--device {name}: the device-aware tests run on cpu or cuda, not {device.type}')
+    if device.type == 'cuda' and not torch.cuda.is_available():
+        raise pytest.UsageError(f'--device {name}: torch {torch.__version__} sees no CUDA device '
+                                '(torch.cuda.is_available() is False)')
+    if device.type == 'cuda' and (device.index or 0) >= torch.cuda.device_count():
+        raise pytest.UsageError(f'--device {name}: there are {torch.cuda.device_count()} CUDA devices')
+    return device
+
+
+def pytest_configure(config):
+    _requested_device(config)  # a bad --device stops the run before collection
+
+
+def pytest_report_header(config):
+    device = _requested_device(config)
+    spec = importlib.util.find_spec('posattn')  # where it will be imported from, without importing it
+    where = f'posattn from {Path(spec.origin).parent}' if spec and spec.origin else 'posattn: not found'
+    if device.type != 'cuda':
+        return [f'device-aware tests on: {device}', where]
+    return [f'device-aware tests on: {device} ({torch.cuda.get_device_name(device)}), torch {torch.__version__}, '
+            f'CUDA {torch.version.cuda}', where]
+
+
+@pytest.fixture(scope='session')
+def device(request) -> torch.device:
+    """The device of the device-aware tests: ``pytest --device cuda``, the CPU by default.
+
+    Their float32 comparisons hold for IEEE float32 products: on CUDA, TF32 (10-bit mantissas in
+    matmuls and convolutions, which a user's setup may switch on) is off while the session runs.
+    Inputs are drawn on the CPU and moved, so every device sees the values the CPU tests see.
+    """
+    device = _requested_device(request.config)
+    if device.type != 'cuda':
+        yield device
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield device
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def leaves_on(device, *tensors):
+    """Detached copies of ``tensors`` on ``device``, each a leaf that requires grad."""
+    return [t.detach().to(device).requires_grad_() for t in tensors]
+
+
+def to_cpu(outputs):
+    """``outputs`` (a tensor, or dicts, lists and tuples of them) with every tensor on the CPU."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs.cpu()
+    if isinstance(outputs, dict):
+        return {key: to_cpu(value) for key, value in outputs.items()}
+    if isinstance(outputs, (list, tuple)):
+        return type(outputs)(to_cpu(value) for value in outputs)
+    return outputs
 
 
 @pytest.fixture(autouse=True)
@@ -106,13 +177,15 @@ def _tensors(output):
     return [t for item in output for t in _tensors(item)]
 
 
-def assert_swap_keeps_outputs(model, x, atol=1e-5, **swap_options):
-    """Swapping 'none' into a randomised copy of ``model`` changes no output, in eval mode and in
-    train mode (the model must have no dropout); returns the swapped copy."""
+def assert_swap_keeps_outputs(model, x, atol=1e-5, device=torch.device('cpu'), phi='none', **swap_options):
+    """Swapping ``phi`` ('none', or a Φp that starts at zero: rpb's table, iRPE's tables) into a
+    randomised copy of ``model`` changes no output, in eval mode and in train mode (the model must
+    have no dropout), both models run on ``device``; returns the swapped copy."""
     import copy
     import posattn
-    model = randomised(model)
-    swapped = posattn.swap_attention(copy.deepcopy(model), phi='none', **swap_options)
+    model = randomised(model).to(device)
+    swapped = posattn.swap_attention(copy.deepcopy(model), phi=phi, **swap_options)
+    x = x.to(device)
     for training in (False, True):
         model.train(training), swapped.train(training)
         with torch.no_grad():

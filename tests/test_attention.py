@@ -1,4 +1,7 @@
-"""posattn.Attention: the release's MPA formula, plain MHSA, gradients, caching and errors."""
+"""posattn.Attention: the release's MPA formula, plain MHSA, gradients, caching and errors; the
+tests that take ``device`` run the layer on ``pytest --device`` (conftest.py), the references on the CPU."""
+import copy
+
 import pytest
 import torch
 
@@ -7,7 +10,7 @@ from posattn import Attention, TokenGrid
 
 from posattn.reference import peripheral_attention, peripheral_position_attention, softmax_attention
 
-from conftest import gradcheck_layer, randomise_peripheral
+from conftest import gradcheck_layer, leaves_on, randomise_peripheral
 
 
 def peripheral_layer(dim=16, num_heads=2, num_prefix_tokens=1, seed=0, dtype=torch.float64):
@@ -27,25 +30,26 @@ def layer_weights(layer):
 
 
 @pytest.mark.parametrize('height,width,prefix', [(4, 5, 1), (3, 3, 0), (1, 6, 2), (5, 2, 1)])
-def test_peripheral_equals_release_formula(height, width, prefix):
+def test_peripheral_equals_release_formula(height, width, prefix, device):
     layer = peripheral_layer(num_prefix_tokens=prefix, seed=height + width)
     x = torch.randn(3, prefix + height * width, 16, dtype=torch.float64)
     expected = peripheral_attention(x, *layer_weights(layer), 2, release_phi(layer, height, width), prefix)
-    torch.testing.assert_close(layer(x, (height, width)), expected, rtol=1e-10, atol=1e-12)
+    out = layer.to(device)(x.to(device), (height, width))
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-10, atol=1e-12)
 
 
-def test_none_equals_plain_softmax_attention():
+def test_none_equals_plain_softmax_attention(device):
     layer = Attention(16, 4).double()
     x = torch.randn(2, 10, 16, dtype=torch.float64)
     expected = softmax_attention(x, *layer_weights(layer), 4)
-    torch.testing.assert_close(layer(x, (2, 5)), expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(layer.to(device)(x.to(device), (2, 5)).cpu(), expected, rtol=1e-10, atol=1e-12)
     assert isinstance(layer.phi, posattn.build_phi('none').__class__)
 
 
-def test_gradcheck_through_layer_and_phi_parameters():
+def test_gradcheck_through_layer_and_phi_parameters(device):
     """Gradients of the input and of every parameter, Φp included, on a 3 x 4 grid with a class token."""
     layer = peripheral_layer(dim=8, num_heads=2, num_prefix_tokens=1)
-    assert gradcheck_layer(layer, torch.randn(2, 13, 8, dtype=torch.float64), (3, 4))
+    assert gradcheck_layer(layer.to(device), torch.randn(2, 13, 8, dtype=torch.float64).to(device), (3, 4))
 
 
 def test_phi_does_not_depend_on_the_batch():
@@ -80,12 +84,14 @@ def test_sharp_phi_stays_exact_where_release_formula_fails():
     assert (release - expected).abs().max() > 1e-2
 
 
-def test_float32_layer_tracks_float64_layer():
+def test_float32_layer_tracks_float64_layer(device):
+    """The float32 layer on the device against the float64 layer on the CPU."""
     layer64 = peripheral_layer(dim=32, num_heads=4, num_prefix_tokens=1, seed=8)
     layer32 = Attention(32, 4, phi='peripheral', num_prefix_tokens=1)
     layer32.load_state_dict({k: v.float() for k, v in layer64.state_dict().items()})
     x = torch.randn(2, 1 + 14 * 14, 32, dtype=torch.float64)
-    error = (layer32(x.float(), (14, 14)).double() - layer64(x, (14, 14))).abs().max()
+    out32 = layer32.to(device)(x.float().to(device), (14, 14))
+    error = (out32.cpu().double() - layer64(x, (14, 14))).abs().max()
     assert error < 1e-5
 
 
@@ -95,11 +101,12 @@ def test_float32_layer_tracks_float64_layer():
 BF16_TOLERANCE = 4 * 2.0 ** -8
 
 
-def test_bf16_autocast_keeps_phi_finite():
+def test_bf16_autocast_keeps_phi_finite(device):
+    """bf16 autocast on the device against the float64 layer on the CPU."""
     layer = Attention(32, 4, phi='peripheral', phi_cfg=dict(layer_index=0, num_layers=12))
     x = torch.randn(2, 49, 32)
-    with torch.autocast('cpu', dtype=torch.bfloat16):
-        out = layer(x, (7, 7))
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        out = copy.deepcopy(layer).to(device)(x.to(device), (7, 7)).cpu()
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     with torch.no_grad():
         expected = layer.double()(x.double(), (7, 7))
@@ -107,26 +114,34 @@ def test_bf16_autocast_keeps_phi_finite():
     assert error <= BF16_TOLERANCE, f'{error / 2.0 ** -8:.2f} u'
 
 
+def output_and_gradients(layer, x, upstream, attend):
+    """``attend(layer, x)`` and its gradients in x, the qkv and proj weights and every Φp weight
+    (zeros for those it does not use), all on the CPU."""
+    (x,) = leaves_on(x.device, x)
+    leaves = [x, *layer_weights(layer), *[w for w in layer.phi.weights() if w is not None]]
+    out = attend(layer, x)
+    grads = torch.autograd.grad(out, leaves, upstream.to(x.device), allow_unused=True)
+    return [out.cpu()] + [torch.zeros_like(leaf).cpu() if g is None else g.cpu() for leaf, g in zip(leaves, grads)]
+
+
 @pytest.mark.parametrize('height,width', [(1, 1), (1, 7), (7, 1), (6, 9)])
-def test_any_grid_shape_trains(height, width):
+def test_any_grid_shape_trains(height, width, device):
     """Degenerate grids (one token, one row, one column) give the release formula's output and
-    its gradients in the input and every parameter, Φp included (float64 reference)."""
+    its gradients in the input and every parameter, Φp included (float64 reference on the CPU)."""
     layer = peripheral_layer(seed=10 * height + width)
     x = torch.randn(2, 1 + height * width, 16, dtype=torch.float64)
     upstream = torch.randn_like(x)
-    phi_weights = [w for w in layer.phi.weights() if w is not None]
-    leaves = [x.requires_grad_(), *layer_weights(layer), *phi_weights]
 
-    def gradients(output):
-        grads = torch.autograd.grad(output, leaves, upstream, allow_unused=True)
-        return [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves, grads)]
-    out = layer(x, (height, width))
-    expected = peripheral_attention(x, *layer_weights(layer), 2,
-                                    peripheral_position_attention(height, width, layer.phi.weights()), 1)
-    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
-    for got, want in zip(gradients(out), gradients(expected)):
-        assert torch.isfinite(got).all()
-        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
+    def release(layer, x):
+        phi = peripheral_position_attention(height, width, layer.phi.weights())
+        return peripheral_attention(x, *layer_weights(layer), 2, phi, 1)
+    expected = output_and_gradients(layer, x, upstream, release)
+    got = output_and_gradients(copy.deepcopy(layer).to(device), x.to(device), upstream,
+                               lambda layer, x: layer(x, (height, width)))
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-10, atol=1e-12)
+    for got_grad, want in zip(got[1:], expected[1:]):
+        assert torch.isfinite(got_grad).all()
+        torch.testing.assert_close(got_grad, want, rtol=1e-8, atol=1e-10)
 
 
 class TestErrors:

@@ -1,9 +1,12 @@
-"""biased_attention: values and gradients of q, k, v and the bias against float64 formulas."""
+"""biased_attention: values and gradients of q, k, v and the bias against float64 formulas, on the
+``--device`` of the run (conftest.py) where marked by the ``device`` fixture."""
 import pytest
 import torch
 
 from posattn import functional
 from posattn.functional import attention_probs, biased_attention
+
+from conftest import leaves_on
 
 
 def naive(q, k, v, bias):
@@ -20,25 +23,28 @@ BIAS_SHAPES = [(1, 2, 7, 7), (3, 2, 7, 7), (3, 1, 7, 7), (2, 7, 7), (7, 7)]
 
 
 @pytest.mark.parametrize('bias_shape', BIAS_SHAPES)
-def test_values_and_gradients_match_naive(bias_shape):
+def test_values_and_gradients_match_naive(bias_shape, device):
+    """On the device (the CPU kernel, or SDPA with the bias as ``attn_mask`` on CUDA), against the
+    naive formula on the CPU."""
     q, k, v = qkv()
     bias = torch.randn(bias_shape, dtype=torch.float64, requires_grad=True)
     upstream = torch.randn(3, 2, 7, 4, dtype=torch.float64)
-    out = biased_attention(q, k, v, bias)
-    grads = torch.autograd.grad((out * upstream).sum(), (q, k, v, bias))
+    inputs = leaves_on(device, q, k, v, bias)
+    out = biased_attention(*inputs)
+    grads = torch.autograd.grad((out * upstream.to(device)).sum(), inputs)
     expected = naive(q, k, v, bias)
     expected_grads = torch.autograd.grad((expected * upstream).sum(), (q, k, v, bias))
-    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-10, atol=1e-12)
     for got, want in zip(grads, expected_grads):
         assert got.shape == want.shape
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize('bias_shape', [(1, 2, 5, 5), (2, 2, 5, 5)])
-def test_gradcheck(bias_shape):
+def test_gradcheck(bias_shape, device):
     q, k, v = qkv(batch=2, tokens=5, dim=3)
     bias = torch.randn(bias_shape, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(biased_attention, (q, k, v, bias))
+    assert torch.autograd.gradcheck(biased_attention, tuple(leaves_on(device, q, k, v, bias)))
 
 
 @pytest.mark.parametrize('block_elements,tile_rows', [(25, 5), (60, 5), (200, 5), (10, 2), (4, 1)])
@@ -55,9 +61,9 @@ def test_tiled_backward_covers_every_tile(monkeypatch, block_elements, tile_rows
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
-def test_batch_free_bias_gradient_is_the_batch_sum():
-    q, k, v = qkv()
-    shared = torch.randn(1, 2, 7, 7, dtype=torch.float64, requires_grad=True)
+def test_batch_free_bias_gradient_is_the_batch_sum(device):
+    q, k, v = leaves_on(device, *qkv())
+    (shared,) = leaves_on(device, torch.randn(1, 2, 7, 7, dtype=torch.float64))
     per_sample = shared.detach().expand(3, 2, 7, 7).clone().requires_grad_()
     biased_attention(q, k, v, shared).sum().backward()
     biased_attention(q, k, v, per_sample).sum().backward()

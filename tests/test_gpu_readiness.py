@@ -1,4 +1,4 @@
-"""What can be checked of the GPU path on a machine without one.
+"""What can be checked of the GPU path on a machine without one, and on one with ``--device cuda``.
 
 - A training step (forward, loss, backward) of every model runs on the ``meta`` device, which
   like CUDA refuses to mix its tensors with CPU tensors and has no values to read on the host:
@@ -6,9 +6,12 @@
   (:func:`posattn._cache.grid_constant`), computed on the CPU once per grid and device.
 - No float64 tensor of the step on the model's device grows with N^2 (N tokens).
 - The route ``biased_attention`` takes on CUDA (SDPA with a bias that requires grad), forced on
-  the CPU, gives the CPU kernel's values and gradients in float64.
-- 20 training steps of PerViT-T on the embedded shapes set under bf16 autocast track fp32's losses.
+  the CPU, gives the CPU kernel's values and gradients in float64; with ``--device cuda`` the
+  route runs on the device itself, in float64 and in float32 (SDPA's CUDA kernels).
+- 20 training steps of PerViT-T on the embedded shapes set under bf16 autocast track fp32's
+  losses, on the ``--device`` of the run.
 """
+import importlib.util
 import sys
 
 import pytest
@@ -22,7 +25,7 @@ from posattn import functional
 from posattn._cache import grid_constant
 from posattn.functional import attention_probs, biased_attention
 
-from conftest import needs_openmmlab
+from conftest import REPO
 
 NUM_CLASSES = 6
 
@@ -200,29 +203,51 @@ class _NoCpuKernel:
         raise AssertionError('biased_attention took the CPU kernel, not the CUDA route')
 
 
-@pytest.mark.parametrize('bias_shape,masked', [
-    ((3, 2, 7, 7), True), ((1, 2, 7, 7), False), ((1, 2, 7, 7), True), (None, False), (None, True)],
-    ids=['bias-B-key-mask', 'bias-batch-free', 'bias-batch-free-key-mask', 'no-bias', 'no-bias-key-mask'])
-def test_cuda_route_matches_the_cpu_kernel(monkeypatch, bias_shape, masked):
-    """On CUDA a bias that requires grad goes to SDPA as ``attn_mask`` (its memory-efficient kernel
-    returns the bias gradient) instead of the CPU kernel's tiled backward. Forced here on CPU
-    tensors, that route gives the CPU kernel's output and gradients of q, k, v and the bias, and
-    both give the materialised softmax(q k^T / sqrt(d) + bias) v, to 1e-10 in float64. A batch-free
-    bias gets a batch-free gradient, and a sequence with no key gets zero output and gradients.
-    Without a bias both devices call SDPA alike. CUDA's kernels themselves are not run here."""
-    tensors, key_mask, upstream = qkv_bias_mask(bias_shape, masked)
-    cpu_kernel = values_and_gradients(biased_attention, tensors, key_mask, upstream)
-    expected = values_and_gradients(through_probs, tensors, key_mask, upstream)
+def cuda_route(tensors, key_mask, upstream, device, monkeypatch, dtype=torch.float64):
+    """Values and gradients of ``biased_attention`` on the route it takes on CUDA, in ``dtype``, as
+    float64 CPU tensors: run on ``device`` where that is a CUDA device, else forced on the CPU."""
+    if device.type == 'cuda':
+        moved = [None if t is None else t.to(device, dtype) for t in tensors]
+        results = values_and_gradients(biased_attention, moved, None if key_mask is None else key_mask.to(device),
+                                       upstream.to(device, dtype))
+        return [r.to('cpu', torch.float64) for r in results]
     with monkeypatch.context() as patch:
         patch.setattr(functional, 'torch', _TorchWithGradModeOff())
         patch.setattr(functional, '_BiasedAttention', _NoCpuKernel)
-        cuda_route = values_and_gradients(biased_attention, tensors, key_mask, upstream)
-    for got, cpu, want in zip(cuda_route, cpu_kernel, expected):
+        return values_and_gradients(biased_attention, tensors, key_mask, upstream)
+
+
+# float32 against float64 on CUDA: SDPA's memory-efficient kernel accumulates in float32 (its matmuls
+# in full float32 precision), over 7 keys and 4 channels of O(1) values: rounding errors of a few
+# 1e-7; 1e-5 leaves more than 10x for the online softmax's rescaling.
+FLOAT32_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('bias_shape,masked', [
+    ((3, 2, 7, 7), True), ((1, 2, 7, 7), False), ((1, 2, 7, 7), True), (None, False), (None, True)],
+    ids=['bias-B-key-mask', 'bias-batch-free', 'bias-batch-free-key-mask', 'no-bias', 'no-bias-key-mask'])
+def test_cuda_route_matches_the_cpu_kernel(monkeypatch, device, bias_shape, masked):
+    """On CUDA a bias that requires grad goes to SDPA as ``attn_mask`` (its memory-efficient kernel
+    returns the bias gradient) instead of the CPU kernel's tiled backward. That route gives the CPU
+    kernel's output and gradients of q, k, v and the bias, and both give the materialised
+    softmax(q k^T / sqrt(d) + bias) v, to 1e-10 in float64. A batch-free bias gets a batch-free
+    gradient, and a sequence with no key gets zero output and gradients. Without a bias both
+    devices call SDPA alike. On the CPU the route is forced on CPU tensors (CUDA's kernels are not
+    run); with ``--device cuda`` it runs there, in float64 (SDPA's math backend) and in float32
+    (the kernels training uses), the latter to :data:`FLOAT32_TOLERANCE`."""
+    tensors, key_mask, upstream = qkv_bias_mask(bias_shape, masked)
+    cpu_kernel = values_and_gradients(biased_attention, tensors, key_mask, upstream)
+    expected = values_and_gradients(through_probs, tensors, key_mask, upstream)
+    cuda = cuda_route(tensors, key_mask, upstream, device, monkeypatch)
+    for got, cpu, want in zip(cuda, cpu_kernel, expected):
         assert got.shape == cpu.shape == want.shape
         torch.testing.assert_close(got, cpu, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    if device.type == 'cuda':
+        for got, want in zip(cuda_route(tensors, key_mask, upstream, device, monkeypatch, torch.float32), expected):
+            torch.testing.assert_close(got, want, **FLOAT32_TOLERANCE)
     if masked:
-        out, grad_q, grad_k, grad_v = cuda_route[:4]
+        out, grad_q, grad_k, grad_v = cuda[:4]
         assert out[1].abs().max() == 0 and out[0].abs().max() > 0
         assert all(g[1].abs().max() == 0 for g in (grad_q, grad_k, grad_v))
 
@@ -233,26 +258,36 @@ STEPS, BATCH = 20, 8
 # their rounding errors are independent and largely cancel in the batch-mean loss. Here the loss
 # moves by at most 0.83 u in any of the 20 steps (0.15 u at the first, where the weights are still
 # equal; later steps add the drift of the weights), so 2u (0.78%) leaves 2.4x headroom for other
-# CPUs' bf16 GEMMs, while the loss itself changes by a median 9% from one batch to the next.
+# CPUs' bf16 GEMMs, while the loss itself changes by a median 9% from one batch to the next. CUDA's
+# bf16 matmuls, convolutions and attention kernels round the same inputs to bf16 and accumulate in
+# fp32 too (the bound is not yet confirmed there).
 BF16_RELATIVE_TOLERANCE = 2 * 2.0 ** -8
 
 
-def shapes_losses(autocast):
+def render_shapes(count, img_size, seed):
+    """The embedded shapes set (``posattn_openmmlab.shapes_dataset.render_shapes``), read from its
+    file: it needs numpy alone, and the OpenMMLab package's import would need the whole stack."""
+    spec = importlib.util.spec_from_file_location('shapes_dataset', REPO / 'integrations/openmmlab/shapes_dataset.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.render_shapes(count, img_size=img_size, seed=seed)
+
+
+def shapes_losses(autocast, device):
     """The per-step losses of PerViT-T trained for ``STEPS`` steps on the embedded shapes set (64 x 64,
-    the shapes configs' normalisation, AdamW at their learning rate), same seed and batches."""
-    from posattn_openmmlab.shapes_dataset import render_shapes
+    the shapes configs' normalisation, AdamW at their learning rate) on ``device``, same seed and batches."""
     images, labels = render_shapes(STEPS * BATCH, img_size=64, seed=0)
     images = (torch.from_numpy(images).permute(0, 3, 1, 2).float() - 127.5) / 64.0
     labels = torch.from_numpy(labels)
     torch.manual_seed(0)
-    model = posattn.create_model('pervit_tiny', num_classes=NUM_CLASSES).train()
+    model = posattn.create_model('pervit_tiny', num_classes=NUM_CLASSES).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.05)
     losses, logits_dtypes = [], set()
     for step in range(STEPS):
         batch = slice(step * BATCH, (step + 1) * BATCH)
-        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=autocast):
-            logits = model(images[batch])
-            loss = F.cross_entropy(logits, labels[batch])
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            logits = model(images[batch].to(device))
+            loss = F.cross_entropy(logits, labels[batch].to(device))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -262,11 +297,19 @@ def shapes_losses(autocast):
 
 
 @pytest.mark.slow
-@needs_openmmlab  # the embedded shapes set
-def test_bf16_autocast_tracks_fp32_losses():
-    fp32, fp32_dtypes = shapes_losses(autocast=False)
-    bf16, bf16_dtypes = shapes_losses(autocast=True)
+def test_bf16_autocast_tracks_fp32_losses(device):
+    fp32, fp32_dtypes = shapes_losses(autocast=False, device=device)
+    bf16, bf16_dtypes = shapes_losses(autocast=True, device=device)
     assert fp32_dtypes == {torch.float32} and bf16_dtypes == {torch.bfloat16}
     assert torch.isfinite(bf16).all() and not torch.equal(bf16, fp32)  # bf16 did run
     relative = (bf16 - fp32).abs() / fp32
     assert relative.max() <= BF16_RELATIVE_TOLERANCE, relative.tolist()
+
+
+def test_the_release_formula_runs_on_its_weights_device():
+    """posattn.reference's Φp (the benchmarks' release baseline) makes its coordinates where its
+    weights are: on the meta device, as on CUDA, nothing is created on the CPU."""
+    from posattn import reference
+    phi = posattn.Attention(16, 2, phi='peripheral').to('meta').phi
+    position = reference.peripheral_position_attention(3, 4, phi.weights())
+    assert position.device.type == 'meta' and position.shape == (2, 12, 12)

@@ -1,4 +1,5 @@
-"""iRPE: the release fixture, float64 references for every method / mode / target, gradients, errors."""
+"""iRPE: the release fixture, float64 references for every method / mode / target, gradients, errors;
+the tests that take ``device`` run iRPE on ``pytest --device`` (conftest.py), the references on the CPU."""
 import pytest
 import torch
 
@@ -37,7 +38,7 @@ def as_lists(phi, tables):
 # --- the release ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('kind', ['trimmed', 'full'])
-def test_matches_release_fixture(kind):
+def test_matches_release_fixture(kind, device):
     """The release's bucket ids and bias; the trimmed fixture keeps one image and head, and every
     fourth query row of the bias."""
     fixture = load_trimmed(IRPE[1]) if kind == 'trimmed' else load_fixture(IRPE[0])
@@ -48,7 +49,7 @@ def test_matches_release_fixture(kind):
     phi.load_release_tables({'k': {'lookup_table_weight': fixture['lookup_table_weight']}})
     assert torch.equal(bucket_ids(14, 14, 1, 'product', 1.9)[0], fixture['bucket_ids'].long())
     with torch.no_grad():
-        out = phi.term('k', fixture['q'], (14, 14))
+        out = phi.to(device).term('k', fixture['q'].to(device), (14, 14)).cpu()
     torch.testing.assert_close(out[:, :, rows], fixture['out'], rtol=0, atol=1e-6)
 
 
@@ -84,7 +85,7 @@ CASES = [(method, mode, on, shared) for method in METHODS for mode in ('bias', '
 
 
 @pytest.mark.parametrize('method,mode,on,shared', CASES)
-def test_layer_equals_reference(method, mode, on, shared):
+def test_layer_equals_reference(method, mode, on, shared, device):
     height, width, skip = 3, 5, 2
     layer = Attention(16, 2, phi='irpe', num_prefix_tokens=skip, phi_cfg=dict(
         method=method, mode=mode, on=on, shared_head=shared, ratio=1.2, num_prefix_tokens=skip)).double()
@@ -93,7 +94,8 @@ def test_layer_equals_reference(method, mode, on, shared):
     x = torch.randn(2, skip + height * width, 16, dtype=torch.float64)
     expected = reference_attention(x, layer, as_lists(layer.phi, tables),
                                    irpe_bucket_ids(height, width, skip, method, 1.2), mode)
-    torch.testing.assert_close(layer(x, (height, width)), expected, rtol=1e-10, atol=1e-12)
+    out = layer.to(device)(x.to(device), (height, width))
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize('mode,on', [('bias', 'q'), ('ctx', 'q'), ('ctx', 'v')])
@@ -152,12 +154,12 @@ def test_bias_mode_is_batch_free_and_any_grid_size(height, width, method, shared
 
 @pytest.mark.parametrize('method,mode,on', [('product', 'ctx', 'qkv'), ('cross', 'bias', 'qk'),
                                             ('euc', 'ctx', 'kv')])
-def test_gradcheck(method, mode, on):
+def test_gradcheck(method, mode, on, device):
     """Gradients of the input and of every parameter, tables included, on a 2 x 3 grid with a class token."""
     layer = Attention(8, 2, phi='irpe', num_prefix_tokens=1, phi_cfg=dict(
         method=method, mode=mode, on=on, shared_head=False, ratio=0.9, num_prefix_tokens=1)).double()
     layer.phi.load_release_tables(random_tables(layer.phi, torch.Generator().manual_seed(1)))
-    assert gradcheck_layer(layer, torch.randn(2, 7, 8, dtype=torch.float64), (2, 3))
+    assert gradcheck_layer(layer.to(device), torch.randn(2, 7, 8, dtype=torch.float64).to(device), (2, 3))
 
 
 # --- bad input -------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The peripheral Φp against the release's computation (float64 reference and fixture)."""
+"""The peripheral Φp against the release's computation (float64 reference and fixture); the tests
+that take ``device`` compute Φp on ``pytest --device`` (conftest.py), the references on the CPU."""
 import pytest
 import torch
 
@@ -25,26 +26,28 @@ def release_phi(phi, height, width):
 
 
 @pytest.mark.parametrize('height,width', GRIDS)
-def test_shortcuts_equal_straightforward_release_computation(height, width):
+def test_shortcuts_equal_straightforward_release_computation(height, width, device):
     phi = make_phi(num_heads=2, seed=height * 31 + width)
-    with torch.no_grad():
-        fast = phi.position_attention(height, width)
     slow = release_phi(phi, height, width)
+    with torch.no_grad():
+        fast = phi.to(device).position_attention(height, width).cpu()
     assert fast.shape == (2, height * width, height * width)
     torch.testing.assert_close(fast, slow, rtol=0, atol=1e-10)
 
 
-def test_gradients_equal_straightforward_release_computation():
+def test_gradients_equal_straightforward_release_computation(device):
     phi = make_phi(num_heads=2, seed=3)
     upstream = torch.rand(2, 20, 20, dtype=torch.float64)
-    (phi.position_attention(4, 5) * upstream).sum().backward()
-    params = [w for w in phi.weights() if w is not None]  # the optional release biases are None
-    leaves = [w.detach().clone().requires_grad_() for w in params]
+    leaves = [w.detach().clone().requires_grad_() if w is not None else None for w in phi.weights()]
     (peripheral_position_attention(4, 5, PeripheralWeights(*leaves)) * upstream).sum().backward()
+    phi.to(device)
+    (phi.position_attention(4, 5) * upstream.to(device)).sum().backward()
+    params = [w for w in phi.weights() if w is not None]  # the optional release biases are None
+    leaves = [leaf for leaf in leaves if leaf is not None]
     names = {id(p): n for n, p in phi.named_parameters()}
     assert len(params) == len(names) == 7
     for param, leaf in zip(params, leaves):
-        torch.testing.assert_close(param.grad, leaf.grad, rtol=1e-8, atol=1e-10, msg=names[id(param)])
+        torch.testing.assert_close(param.grad.cpu(), leaf.grad, rtol=1e-8, atol=1e-10, msg=names[id(param)])
 
 
 def test_biases_removed_by_instance_norms_change_nothing():
@@ -63,43 +66,48 @@ def test_biases_removed_by_instance_norms_change_nothing():
     assert not {'proj1_bias', 'proj2_bias', 'distance_embedding.bias'} & set(phi.state_dict())
 
 
-def test_chunked_recomputation_matches_one_pass(monkeypatch):
+def test_chunked_recomputation_matches_one_pass(monkeypatch, device):
     phi = make_phi(num_heads=2, seed=5)
-    upstream = torch.rand(2, 42, 42, dtype=torch.float64)
+    release = release_phi(phi, 6, 7)
+    phi.to(device)
+    upstream = torch.rand(2, 42, 42, dtype=torch.float64).to(device)
     (phi.position_attention(6, 7) * upstream).sum().backward()
     one_pass = {n: p.grad.clone() for n, p in phi.named_parameters()}
     phi.zero_grad()
     monkeypatch.setattr(peripheral_kernel, '_CHUNK_ELEMENTS', 1000)  # 10 queries a chunk, recomputed
     value = phi.position_attention(6, 7)
     (value * upstream).sum().backward()
-    torch.testing.assert_close(value, release_phi(phi, 6, 7), rtol=0, atol=1e-10)
+    torch.testing.assert_close(value.cpu(), release, rtol=0, atol=1e-10)
     for name, param in phi.named_parameters():
         torch.testing.assert_close(param.grad, one_pass[name], rtol=1e-10, atol=1e-12, msg=name)
 
 
-def test_fp32_tracks_float64_path():
+def test_fp32_tracks_float64_path(device):
+    """float32 on the device against float64 on the CPU."""
     phi64 = make_phi(num_heads=4, seed=11)
     phi32 = PeripheralPhi(4)
     phi32.load_state_dict({k: v.float() for k, v in phi64.state_dict().items()})
     with torch.no_grad():
-        error = (phi32.position_attention(14, 14).double() - phi64.position_attention(14, 14)).abs().max()
+        value32 = phi32.to(device).position_attention(14, 14).cpu()
+        error = (value32.double() - phi64.position_attention(14, 14)).abs().max()
     assert error < 2e-5
 
 
 @pytest.mark.parametrize('kind', ['trimmed', 'full'])
-def test_fixture_all_layers_of_pervit_tiny(kind):
+def test_fixture_all_layers_of_pervit_tiny(kind, device):
     """Φp of the 12 layers of the release's PerViT-T (seed-7 weights) within 1e-4 (the trimmed
     fixture keeps six query rows of each)."""
     fixture = pervit_fixture(kind)
     state = pervit_from_release(fixture['weights'])
     shared = DistanceEmbedding(16)
     shared.load_state_dict({'weight': state['distance_embedding.weight']})
+    shared.to(device)  # not a submodule of the Φp that share it
     for layer in range(12):
         phi = PeripheralPhi(4, layer_index=layer, num_layers=12, distance_embedding=shared)
         prefix = f'blocks.{layer}.attn.phi.'
         phi.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
         with torch.no_grad():
-            value = phi.position_attention(14, 14)[:, fixture['tokens']]
+            value = phi.to(device).position_attention(14, 14)[:, fixture['tokens'].to(device)].cpu()
         torch.testing.assert_close(value, fixture['phi_p'][layer], rtol=0, atol=1e-4, msg=f'layer {layer}')
 
 

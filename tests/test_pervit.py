@@ -1,5 +1,7 @@
 """PerViT-T/S/M: layout, initialisation, any input size, Φp recomputation and caching, precision,
-torch.compile and errors. Parity with the release is in test_convert.py."""
+torch.compile and errors; the tests that take ``device`` run the model on ``pytest --device``
+(conftest.py). Parity with the release is in test_convert.py (on the device: test_on_device.py)."""
+import copy
 import time
 
 import pytest
@@ -176,22 +178,23 @@ def test_bad_input_errors(tiny):
         posattn.create_model('pervit_large')
 
 
-def test_bf16_autocast_keeps_phi_finite():
+def test_bf16_autocast_keeps_phi_finite(device):
     model = posattn.create_model('pervit_tiny', num_classes=10)
     with torch.no_grad():  # a sharp Φp: sigmoid underflows to 0 far from the query; its log does not
         for block in model.blocks:
             block.attn.phi.norm2_weight.fill_(40.0)
-    images = torch.randn(2, 3, 64, 80)
-    with torch.autocast('cpu', dtype=torch.bfloat16):
+    model.to(device)
+    images = torch.randn(2, 3, 64, 80).to(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
         logits = model(images)
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
     logits.float().sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     model.eval()
-    with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
         logits = model(images)
-        bias = model.blocks[0].attn.phi.logits_bias(torch.zeros(1, 4, 20, 32, dtype=torch.bfloat16), None,
-                                                    posattn.TokenGrid(4, 5))
+        bias = model.blocks[0].attn.phi.logits_bias(torch.zeros(1, 4, 20, 32, dtype=torch.bfloat16, device=device),
+                                                    None, posattn.TokenGrid(4, 5))
     assert bias.dtype == torch.bfloat16 and torch.isfinite(bias).all() and bias.min() < -30
     # bf16 keeps 8 significant bits, u = 2^-8; through the 12 blocks of this model the logits land
     # 1.25-2.42 u of max|logits| off float64 over six seeds (fp32 is within 1e-6 of float64 here, and
@@ -203,12 +206,12 @@ def test_bf16_autocast_keeps_phi_finite():
 
 
 @pytest.mark.slow
-def test_torch_compile_matches_eager(tiny):
-    tiny.eval()
-    images = torch.randn(2, 3, 224, 224)
+def test_torch_compile_matches_eager(tiny, device):
+    model = copy.deepcopy(tiny).to(device).eval()
+    images = torch.randn(2, 3, 224, 224).to(device)
     with torch.no_grad():
-        eager = tiny(images)
-        compiled = torch.compile(tiny)
+        eager = model(images)
+        compiled = torch.compile(model)
         start = time.perf_counter()
         out = compiled(images)
         print(f'torch.compile of pervit_tiny: first call {time.perf_counter() - start:.1f} s')

@@ -1,4 +1,5 @@
-"""swap_attention: timm / torchvision ViTs keep their outputs with 'none', their weights, and train."""
+"""swap_attention: timm / torchvision ViTs keep their outputs with 'none', their weights, and train;
+the tests that take ``device`` run the models on ``pytest --device`` (conftest.py)."""
 import copy
 
 import pytest
@@ -13,9 +14,9 @@ timm = pytest.importorskip('timm')
 
 
 @pytest.mark.parametrize('name', ['vit_tiny_patch16_224', 'deit_tiny_distilled_patch16_224'])
-def test_timm_none_equals_original(name):
+def test_timm_none_equals_original(name, device):
     model = timm.create_model(name, pretrained=False)
-    swapped = assert_swap_keeps_outputs(model, torch.randn(2, 3, 224, 224))
+    swapped = assert_swap_keeps_outputs(model, torch.randn(2, 3, 224, 224), device=device)
     layers = [block.attn for block in swapped.blocks]
     assert all(isinstance(layer, posattn.Attention) for layer in layers) and len(layers) == 12
     assert layers[0].num_prefix_tokens == model.num_prefix_tokens  # 2 for the distilled DeiT
@@ -23,11 +24,11 @@ def test_timm_none_equals_original(name):
 
 
 @pytest.mark.slow
-def test_torchvision_none_equals_original():
-    """torchvision's ViT-B/16 (86M parameters, about 3 s)."""
+def test_torchvision_none_equals_original(device):
+    """torchvision's ViT-B/16 (86M parameters, about 3 s on the CPU)."""
     torchvision = pytest.importorskip('torchvision')
     model = torchvision.models.vit_b_16()
-    swapped = assert_swap_keeps_outputs(model, torch.randn(1, 3, 224, 224))
+    swapped = assert_swap_keeps_outputs(model, torch.randn(1, 3, 224, 224), device=device)
     layer = swapped.encoder.layers[5].self_attention
     assert isinstance(layer, posattn.Attention) and layer.num_heads == 12
     original = model.encoder.layers[5].self_attention
@@ -48,16 +49,17 @@ def test_same_parameters_not_copies():
     assert model.blocks[1].attn.phi.num_prefix_tokens == 1 and model.blocks[1].attn.phi.num_heads == 2
 
 
-def test_grid_follows_the_input_and_matches_posattn_vit():
+def test_grid_follows_the_input_and_matches_posattn_vit(device):
     """A dynamic-size timm DeiT with peripheral attention is posattn's ViT with the same weights,
     on non-square inputs of two sizes: the Φp saw the right grid each time."""
     model = randomised(small_timm_vit(dynamic_img_size=True))
-    swapped = swap_attention(model, phi='peripheral')
+    swapped = swap_attention(model, phi='peripheral').to(device)
     reference = posattn.models.vit.VisionTransformer(
         img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5, phi='peripheral').eval()
     reference.load_state_dict(swapped.state_dict())
+    reference.to(device)
     for size in [(24, 40), (48, 16)]:
-        x = torch.randn(2, 3, *size)
+        x = torch.randn(2, 3, *size).to(device)
         with torch.no_grad():
             torch.testing.assert_close(swapped(x), reference(x), rtol=1e-5, atol=1e-5)
         assert swapped.blocks[0].attn.current_grid() == posattn.TokenGrid(size[0] // 8, size[1] // 8, 1)
@@ -74,13 +76,14 @@ def test_a_copy_follows_its_own_inputs():
         swapped.blocks[1].attn.current_grid()  # the original never ran
 
 
-def test_fine_tuning_a_swapped_model_lowers_the_loss():
+def test_fine_tuning_a_swapped_model_lowers_the_loss(device):
     """Overfitting one fixed batch: after 15 AdamW steps the loss is below half its start (0.27-0.32
     of it over four seeds of model and batch), a drop no rounding difference between machines can undo."""
     torch.manual_seed(0)
-    model = swap_attention(small_timm_vit(), phi='peripheral').train()
+    model = swap_attention(small_timm_vit(), phi='peripheral').to(device).train()
     generator = torch.Generator().manual_seed(0)
     x, y = torch.randn(8, 3, 32, 32, generator=generator), torch.randint(0, 5, (8,), generator=generator)
+    x, y = x.to(device), y.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for _ in range(16):
