@@ -4,7 +4,8 @@ and a positional attention that depends on the offset between query and key alon
 
     A_h = (1 - σ(λ_h)) softmax(q k^T / sqrt(d)) + σ(λ_h) softmax(v_h · r_ij + c_h),
 
-renormalised so that every row sums to 1 (timm divides by the row sum). r_ij = (dx, dy, dx² + dy²)
+whose rows sum to 1 as both terms' do (timm divides by the row sum, which changes only the
+rounding; posattn renormalises only where a key mask leaves a grid query no grid key). r_ij = (dx, dy, dx² + dy²)
 is the offset of key j from query i, key minus query in grid units, dx along the columns and dy
 along the rows (timm's ``rel_indices`` channels, in that order); v_h and c_h are the weight row
 and bias of head h of ``pos_proj``, a Linear(3, heads); λ_h is ``gating_param[h]``, 1 at init
@@ -173,8 +174,10 @@ class GatedPositionalAttention(PositionalModule):
         else:
             position = self._masked_position_attention(grid, key_mask)  # (B, heads, HW, HW)
         gates = self._query_gates(grid).to(attn.dtype)
-        mixed = (1.0 - gates) * attn + gates * grid.pad_prefix(position.to(attn.dtype))
-        total = mixed.sum(-1, keepdim=True)
+        mixed = torch.lerp(attn, grid.pad_prefix(position.to(attn.dtype)), gates)  # (1 - g) A_c + g A_p, one pass
+        if key_mask is None:  # both terms' rows sum to 1 already: timm's renormalisation changes rounding only
+            return mixed
+        total = mixed.sum(-1, keepdim=True)  # < 1 where masking left a grid query no grid key
         return mixed / total.masked_fill(total == 0, 1.0)
 
     def extra_repr(self) -> str:
