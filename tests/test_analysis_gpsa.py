@@ -11,17 +11,7 @@ import posattn
 from posattn import Attention, TokenGrid
 from posattn.analysis import attention_maps, collect_attention_maps, measure_attention, plot_position_maps
 from posattn.functional import attention_probs
-
-
-class layer_model(torch.nn.Module):
-    """One attention layer called with its grid, as a model."""
-
-    def __init__(self, layer, grid):
-        super().__init__()
-        self.layer, self.grid = layer, grid
-
-    def forward(self, x):
-        return self.layer(x, self.grid)
+from test_analysis import layer_model
 
 
 def gpsa_layer(prefix, seed=0):

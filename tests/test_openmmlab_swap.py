@@ -232,6 +232,20 @@ def test_wrapper_loads_the_checkpoint_then_swaps_at_construction(inner, renamed,
     assert isinstance(outputs, tuple) and outputs[-1].shape[0] == 2
 
 
+@pytest.mark.parametrize('phi', sorted(set(posattn.list_phis()) - {'none', 'peripheral', 'irpe', 'peg'}))
+def test_wrapper_swaps_in_each_later_phi_and_trains_it(phi):
+    """rope, rpb, alibi, gpsa, decomposed_rpb (and any Φp registered later) through the config wrapper:
+    built, called on a non-square grid, and a backward reaches the Φp of every layer."""
+    wrapper = MODELS.build(wrapper_cfg(dict(PRETRAIN_VIT, out_type='featmap'), phi=phi)).train()  # every token
+    layers = [layer.attn for layer in wrapper.backbone.layers]
+    assert all(isinstance(layer, SwappedAttention) and type(layer.phi) is posattn.phi.phi_class(phi) for layer in layers)
+    randomised(wrapper)  # tables that start at zero: every term counts
+    sum(out.square().mean() for out in wrapper(IMAGES)).backward()
+    for layer in layers:  # (gpsa's pos_proj bias has no gradient, and resampling reads some table rows only)
+        grads = [p.grad for p in layer.phi.parameters()]  # none for alibi and axial rope
+        assert all(g is not None for g in grads) and (not grads or sum(g.abs().sum() for g in grads) > 0)
+
+
 def test_the_model_around_the_wrapper_initialises_its_head_and_leaves_the_backbone(tmp_path):
     from mmpretrain.registry import MODELS as PRETRAIN_MODELS
     saved_weights(MODELS.build(dict(PRETRAIN_VIT)), tmp_path / 'vit.pth')

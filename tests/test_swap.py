@@ -120,3 +120,16 @@ def test_unsupported_models_name_what_was_found():
         swap_attention(swapped)
     with pytest.raises(RuntimeError, match='run the whole model, not the blocks alone'):
         swapped.blocks(torch.randn(1, 17, 32))
+
+
+@pytest.mark.parametrize('phi,cfg', [('rpb', dict(table_size=(4, 4))), ('decomposed_rpb', dict(table_size=(4, 4)))])
+def test_a_phi_that_starts_at_zero_keeps_a_swapped_models_outputs(phi, cfg):
+    """rpb's table and decomposed_rpb's embeddings start at zero: swapped into a timm ViT, they change
+    nothing until they learn; each layer's Φp is told the class token."""
+    model = small_timm_vit().eval()
+    swapped = posattn.swap_attention(copy.deepcopy(model), phi=phi, **cfg)
+    phis = [m.phi for m in swapped.modules() if isinstance(m, posattn.swap.SwappedAttention)]
+    assert len(phis) == 2 and all(p.num_prefix_tokens == 1 for p in phis)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(swapped(x), model(x), rtol=0, atol=1e-5)
