@@ -107,7 +107,7 @@ def figure_title(config: str, checkpoint: Optional[str]) -> str:
 
 def write_figures(out: Path, images, maps, measures, query, fmt: str, dpi: int, title: Optional[str] = None):
     """position, samples and measures figures as ``out/<name>.<fmt>`` (position only where a layer has
-    a Φp with a logits bias), each titled ``title``; returns the file names written."""
+    a Φp with a position map: a logits bias, or positional probabilities it mixes in), each titled ``title``; returns the file names written."""
     figures = []
     if any(m.position is not None for m in maps.values()):
         figures.append(f'position.{fmt}')
