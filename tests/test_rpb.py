@@ -180,6 +180,19 @@ def test_gradcheck_in_float64_with_resampling():
     assert gradcheck_layer(layer, torch.randn(1, 1 + 3 * 2, 8, dtype=torch.float64), (3, 2))
 
 
+@pytest.mark.parametrize('phi,shape', [('rpb', lambda h, w: (num_offsets(h, w) + 3, 3)),
+                                       ('decomposed_rpb', lambda h, w: (2 * h - 1, 64))])
+def test_a_vit_learns_its_table_for_its_own_grid(phi, shape):
+    """In a vit_* model the table is learned for the grid of img_size (384 px: 24 x 24), unless set."""
+    for img_size, grid in ((384, (24, 24)), ((224, 160), (14, 10))):
+        model = posattn.create_model('vit_tiny', phi=phi, img_size=img_size, depth=1, num_classes=5)
+        assert model.blocks[0].attn.phi.table_size == grid
+        table = next(model.blocks[0].attn.phi.parameters())
+        assert table.shape == shape(*grid)
+    chosen = posattn.create_model('vit_tiny', phi=phi, phi_cfg=dict(table_size=(7, 7)), img_size=384, depth=1)
+    assert chosen.blocks[0].attn.phi.table_size == (7, 7)
+
+
 def test_a_training_step_of_a_vit_learns_the_table():
     torch.manual_seed(0)
     model = posattn.create_model('vit_tiny', phi='rpb', depth=1, num_classes=5).train()

@@ -115,8 +115,9 @@ class VisionTransformer(ClassifierApi, BlockStackApi, nn.Module):
         peg_after: indices of the blocks after which a PEG (CPVT) runs on the tokens.
         phi: the Φp of the attention layers, by registered name (``posattn.list_phis()``).
         phi_cfg: its options; what each layer knows (``dim``, ``num_heads``, ``head_dim``,
-            ``num_prefix_tokens``, ``layer_index``, ``num_layers``) is filled in where the Φp
-            takes it and ``phi_cfg`` does not set it (:func:`posattn.phi.build_layer_phi`).
+            ``num_prefix_tokens``, ``layer_index``, ``num_layers``, and ``table_size``: the grid of
+            ``img_size``) is filled in where the Φp takes it and ``phi_cfg`` does not set it
+            (:func:`posattn.phi.build_layer_phi`): ``phi='rpb'`` learns its table for the model's grid.
         phi_blocks: the indices of the blocks whose attention takes ``phi``; the others attend
             without a Φp (``'none'``). None: every block. ConViT's layout is ``range(10)`` of 12
             (local gated layers first, plain ones last).
@@ -172,7 +173,7 @@ class VisionTransformer(ClassifierApi, BlockStackApi, nn.Module):
             Block(embed_dim, num_heads,
                   build_layer_phi(phi if i in phi_blocks else 'none', phi_cfg if i in phi_blocks else None,
                                   dim=embed_dim, num_heads=num_heads, num_prefix_tokens=self.num_prefix_tokens,
-                                  layer_index=i, num_layers=depth),
+                                  layer_index=i, num_layers=depth, table_size=self.grid_size),
                   mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, drop_paths[i], self.num_prefix_tokens, init_values)
             for i in range(depth)])
         self.pegs = nn.ModuleDict({str(i): build_phi('peg', dim=embed_dim) for i in peg_after})

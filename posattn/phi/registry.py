@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, List, Mapping, Optional, Type, TypeVar
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type, TypeVar
 
 from .base import PositionalModule
 
@@ -55,15 +55,20 @@ def build_phi(name: str, **cfg: Any) -> PositionalModule:
 
 
 def build_layer_phi(name: str, phi_cfg: Optional[Mapping[str, Any]], *, dim: int, num_heads: int,
-                    num_prefix_tokens: int = 0, layer_index: int = 0, num_layers: int = 1) -> PositionalModule:
+                    num_prefix_tokens: int = 0, layer_index: int = 0, num_layers: int = 1,
+                    table_size: Optional[Tuple[int, int]] = None) -> PositionalModule:
     """Build the Φp of one attention layer, telling it what the layer knows.
 
-    The layer's ``dim``, ``num_heads``, ``head_dim`` (= dim / num_heads), ``num_prefix_tokens`` and
-    its place among the model's layers (``layer_index`` of ``num_layers``) are passed to the Φp's
+    The layer's ``dim``, ``num_heads``, ``head_dim`` (= dim / num_heads), ``num_prefix_tokens``, its
+    place among the model's layers (``layer_index`` of ``num_layers``) and, where the model knows it,
+    ``table_size``, the token grid it is built for (a ViT's ``img_size`` in patches: the grid a Φp
+    learns a table of offsets for, ``rpb``'s and ``decomposed_rpb``'s), are passed to the Φp's
     constructor where it takes them and ``phi_cfg`` does not set them.
     """
     layer = dict(dim=dim, num_heads=num_heads, head_dim=dim // num_heads, num_prefix_tokens=num_prefix_tokens,
                  layer_index=layer_index, num_layers=num_layers)
+    if table_size is not None:
+        layer['table_size'] = tuple(table_size)
     cfg = dict(phi_cfg or {})
     options = _options(phi_class(name))
     for key, value in layer.items():
