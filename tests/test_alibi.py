@@ -1,5 +1,6 @@
-"""alibi: 2D ALiBi against the float64 formula, its slopes, training, the position cache, the meta
-device, errors (compile and torch.func: tests/test_compile.py and tests/test_function_transforms.py)."""
+"""alibi: 2D ALiBi against the float64 formula, its slopes, training, the position cache, errors (the
+meta device, compile and torch.func: tests/test_gpu_readiness.py, tests/test_compile.py and
+tests/test_function_transforms.py, which take every Φp)."""
 import copy
 import math
 
@@ -99,7 +100,7 @@ def test_swapped_into_a_timm_vit_the_bias_reaches_the_logits():
     torch.testing.assert_close(bias[0, :, 1:, 1:], alibi_bias(2, 4, 4).float())
 
 
-# --- cache, meta device ---------------------------------------------------------------------
+# --- cache ---------------------------------------------------------------------------------
 
 def test_the_position_cache_serves_one_bias_per_grid_and_dtype():
     layer = Attention(16, 2, phi='alibi', num_prefix_tokens=1).eval()
@@ -111,15 +112,6 @@ def test_the_position_cache_serves_one_bias_per_grid_and_dtype():
         assert other.dtype == torch.float64 and not torch.equal(other.float(), first)  # 3x4 is not 4x3
         assert len(cache) == 2
     assert layer.phi.position_cache is None
-
-
-def test_builds_and_runs_on_the_meta_device():
-    with torch.device('meta'):
-        model = posattn.create_model('vit_tiny', phi='alibi', depth=1, num_classes=5)
-        out = model(torch.randn(2, 3, 48, 64))
-    assert out.shape == (2, 5) and out.device.type == 'meta'
-    bias = model.blocks[0].attn.phi(torch.empty(1, 3, 13, 64, device='meta'), None, TokenGrid(3, 4, 1))
-    assert bias.shape == (1, 3, 13, 13) and bias.device.type == 'meta'
 
 
 def test_bad_num_heads_names_the_problem():

@@ -1,6 +1,6 @@
 """gpsa: ConViT's gated positional self-attention against the float64 formula, timm's offsets and
-local init, the gate's limits, the key mask, gradients, training, the position cache, the meta
-device, errors."""
+local init, the gate's limits, the key mask, gradients, training, the position cache, errors (the
+meta device: tests/test_gpu_readiness.py)."""
 import copy
 import math
 
@@ -242,13 +242,6 @@ def test_the_position_cache_serves_the_attention_until_pos_proj_changes():
         assert again is not first and not torch.equal(again, first)
         assert layer.double().phi.position_attention(3, 4).dtype == torch.float64  # converted weights
     assert layer.phi.position_cache is None
-
-
-def test_builds_and_runs_on_the_meta_device():
-    with torch.device('meta'):
-        model = posattn.create_model('vit_tiny', phi='gpsa', depth=1, num_classes=5)
-        out = model(torch.randn(2, 3, 48, 64))
-    assert out.shape == (2, 5) and out.device.type == 'meta'
 
 
 # --- errors -----------------------------------------------------------------------------------

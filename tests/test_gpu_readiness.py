@@ -39,6 +39,7 @@ def model_specs(window_size):
         'pervit_tiny_windowed': ('pervit_tiny', dict(window_size=window_size, global_blocks=(3, 7, 11),
                                                      drop_path_rate=0.1)),
         'vit_tiny_irpe_qkv': ('vit_tiny', dict(phi='irpe', phi_cfg=dict(on='qkv'))),
+        'vit_tiny_rope_mixed': ('vit_tiny', dict(phi='rope', phi_cfg=dict(frequencies='mixed'))),
     }
     for phi in posattn.list_phis():
         specs[f'vit_tiny_{phi}'] = ('vit_tiny', dict(phi=phi))

@@ -1,6 +1,6 @@
 """rope: 2D rotary position embedding (axial, EVA-02; mixed, RoPE-ViT) against the float64 rotation
 pair by pair, its properties (norms kept, logits depend on offsets only), timm's tables and
-initialisation, gradients, training, the caches, the meta device, errors."""
+initialisation, gradients, training, the caches, errors (the meta device: tests/test_gpu_readiness.py)."""
 import copy
 import math
 
@@ -257,7 +257,7 @@ def test_swapped_into_a_timm_deit_it_trains(frequencies):
         assert all(phi.freqs.grad.abs().sum() > 0 for phi in phis)
 
 
-# --- caches, copies, meta device --------------------------------------------------------------
+# --- caches, copies --------------------------------------------------------------------------
 
 def test_axial_tables_are_grid_constants():
     phi = posattn.build_phi('rope', head_dim=8, num_heads=2)
@@ -291,19 +291,6 @@ def test_a_shared_frequency_module_is_read_not_registered_and_copies_along():
     copied = copy.deepcopy(owner)
     assert copied.layers[1].shared_frequencies is copied and copied.layers[1].learned_frequencies.data_ptr() == (
         copied.freqs[:, 1].data_ptr())
-
-
-@pytest.mark.parametrize('frequencies', ['axial', 'mixed'])
-def test_builds_and_runs_on_the_meta_device(frequencies):
-    with torch.device('meta'):
-        model = posattn.create_model('vit_tiny', phi='rope', phi_cfg=dict(frequencies=frequencies), depth=1,
-                                     num_classes=5)
-        out = model(torch.randn(2, 3, 48, 64))
-    assert {p.device.type for p in model.parameters()} == {'meta'}
-    assert out.shape == (2, 5) and out.device.type == 'meta'
-    q = torch.empty(1, 3, 13, 64, device='meta')
-    rotated, _ = model.blocks[0].attn.phi.queries_keys(q, q, TokenGrid(3, 4, 1))
-    assert rotated.shape == q.shape and rotated.device.type == 'meta'
 
 
 # --- bad input --------------------------------------------------------------------------------

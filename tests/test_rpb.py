@@ -1,6 +1,7 @@
 """rpb: the learned relative position bias table of Swin and BEiT against the float64 formula, timm's
-layouts and resampling, gradients, training, the position cache, the meta device, errors (compile and
-torch.func: tests/test_compile.py and tests/test_function_transforms.py, which take every Φp)."""
+layouts and resampling, gradients, training, the position cache, errors (the meta device, compile and
+torch.func: tests/test_gpu_readiness.py, tests/test_compile.py and tests/test_function_transforms.py,
+which take every Φp)."""
 
 import pytest
 import torch
@@ -206,7 +207,7 @@ def test_a_training_step_of_a_vit_learns_the_table():
     assert torch.isfinite(loss) and table.abs().sum() > 0
 
 
-# --- cache, meta device ---------------------------------------------------------------------
+# --- cache ---------------------------------------------------------------------------------
 
 def test_the_position_cache_serves_the_bias_until_the_table_changes():
     layer = Attention(16, 2, phi='rpb', phi_cfg=dict(table_size=(3, 3)), num_prefix_tokens=1).eval()
@@ -220,16 +221,6 @@ def test_the_position_cache_serves_the_bias_until_the_table_changes():
         assert updated is not first and torch.equal(updated, layer.phi.position_bias(grid))
         torch.testing.assert_close(updated, torch.ones_like(updated))  # the cubic weights sum to one
     assert layer.phi.position_cache is None
-
-
-def test_builds_and_runs_on_the_meta_device():
-    with torch.device('meta'):
-        model = posattn.create_model('vit_tiny', phi='rpb', depth=1, num_classes=5)
-        out = model(torch.randn(2, 3, 48, 64))
-    assert {p.device.type for p in model.parameters()} == {'meta'}
-    assert out.shape == (2, 5) and out.device.type == 'meta'
-    bias = model.blocks[0].attn.phi(torch.empty(1, 3, 13, 64, device='meta'), None, TokenGrid(3, 4, 1))
-    assert bias.shape == (1, 3, 13, 13) and bias.device.type == 'meta'
 
 
 # --- bad input --------------------------------------------------------------------------------
