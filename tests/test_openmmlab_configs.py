@@ -157,5 +157,5 @@ def test_shapes_dataset_splits_and_pipeline():
     assert not np.array_equal(train.get_data_info(0)['img'], val.get_data_info(0)['img'])
     with pytest.raises(ValueError, match="split must be one of"):
         DATASETS.build(dict(type='PositionalShapes', split='test'))
-    with pytest.raises(ValueError, match='img_size 48 is too small to place two shapes side by side; use >= 50'):
-        render_shapes(1, img_size=48)
+    with pytest.raises(ValueError, match='img_size 31 is too small to place two shapes side by side; use >= 32'):
+        render_shapes(1, img_size=31)

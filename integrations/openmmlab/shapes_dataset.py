@@ -10,6 +10,11 @@ Images are drawn with numpy from a seeded generator: the same arguments give the
 every machine, nothing is downloaded, and 6,000 images of 64 x 64 take about 2 seconds. The
 classes are symmetric under vertical flips (a label-preserving augmentation); horizontal flips
 swap them.
+
+A scene (the shapes, their places, sizes and colours, the background colour) is drawn in a frame
+of :data:`SCENE_SIZE` pixels and rendered at ``img_size``: a seed gives the same scenes at every
+size, shapes scaling with the image, as a larger crop of a photograph shows the same objects at
+more pixels. Only the pixel noise is drawn afresh for each size (per pixel, the same spread).
 """
 from __future__ import annotations
 
@@ -18,13 +23,15 @@ from typing import List, Tuple
 
 import numpy as np
 
-__all__ = ['SHAPES', 'CLASSES', 'shape_mask', 'render_shapes']
+__all__ = ['SHAPES', 'CLASSES', 'SCENE_SIZE', 'shape_mask', 'pixel_centres', 'render_shapes']
 
 SHAPES = ('circle', 'square', 'triangle')
 PAIRS: List[Tuple[int, int]] = list(itertools.permutations(range(len(SHAPES)), 2))
 CLASSES = tuple(f'{SHAPES[left]} left of {SHAPES[right]}' for left, right in PAIRS)
 RADIUS_RANGE = (0.15, 0.24)  # shape half-sides, as fractions of the image side
-_MIN_GAP = 2  # pixels between the two shapes' bounding boxes, so "left of" is never ambiguous
+SCENE_SIZE = 64  # side of the frame scenes are drawn in, in its pixels
+_MIN_GAP = 2  # frame pixels between the two shapes' bounding boxes, so "left of" is never ambiguous
+_NOISE_STD = 12.0  # of the background's pixel noise
 
 
 def shape_mask(shape: int, cy: float, cx: float, radius: float, ys: np.ndarray, xs: np.ndarray) -> np.ndarray:
@@ -39,30 +46,42 @@ def shape_mask(shape: int, cy: float, cx: float, radius: float, ys: np.ndarray, 
     return (depth >= 0) & (depth <= 1) & (np.abs(dx) <= depth * radius)
 
 
-def render_shapes(num_images: int, img_size: int = 64, seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+def pixel_centres(img_size: int) -> np.ndarray:
+    """Centres of the pixels of an ``img_size`` side, in :data:`SCENE_SIZE`-frame coordinates (pixel
+    i of the frame is at i), (img_size,) float32; at ``SCENE_SIZE`` exactly 0, 1, ..., 63."""
+    return ((np.arange(img_size) + 0.5) * (SCENE_SIZE / img_size) - 0.5).astype(np.float32)
+
+
+def render_shapes(num_images: int, img_size: int = SCENE_SIZE, seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:
     """``num_images`` images (N, img_size, img_size, 3) uint8 and their labels (N,) int64.
 
     Labels index :data:`CLASSES` and are balanced (every class the same count to within one), in
-    shuffled order. Shape half-sides are drawn from :data:`RADIUS_RANGE`.
+    shuffled order. Shape half-sides are drawn from :data:`RADIUS_RANGE`. The scenes depend on
+    ``seed`` alone, drawn in the :data:`SCENE_SIZE` frame and rendered at ``img_size`` (each pixel
+    takes the colour at its centre); the pixel noise is drawn at ``img_size``.
     """
-    widest = 4 * RADIUS_RANGE[1] * img_size + _MIN_GAP  # two of the largest shapes side by side
-    if widest > img_size:
-        raise ValueError(f'img_size {img_size} is too small to place two shapes side by side; '
-                         f'use >= {int(np.ceil(_MIN_GAP / (1 - 4 * RADIUS_RANGE[1])))}')
+    smallest = -(-SCENE_SIZE // _MIN_GAP)  # the gap between the shapes keeps at least one pixel
+    if img_size < smallest:
+        raise ValueError(f'img_size {img_size} is too small to place two shapes side by side; use >= {smallest}')
     rng = np.random.default_rng(seed)
-    ys, xs = np.mgrid[0:img_size, 0:img_size].astype(np.float32)
+    noise_rng = np.random.default_rng([seed, img_size])  # the noise of sizes other than SCENE_SIZE
+    centres = pixel_centres(img_size)
+    ys, xs = np.meshgrid(centres, centres, indexing='ij')
     images = np.empty((num_images, img_size, img_size, 3), np.uint8)
     labels = np.arange(num_images, dtype=np.int64) % len(CLASSES)
     rng.shuffle(labels)
     for index, label in enumerate(labels):
-        radii = rng.uniform(*RADIUS_RANGE, size=2) * img_size
+        radii = rng.uniform(*RADIUS_RANGE, size=2) * SCENE_SIZE
         # left shape first, leaving room for the gap and the right one; then the right shape
-        left_cx = rng.uniform(radii[0], img_size - radii[0] - _MIN_GAP - 2 * radii[1])
-        right_cx = rng.uniform(left_cx + radii[0] + _MIN_GAP + radii[1], img_size - radii[1])
+        left_cx = rng.uniform(radii[0], SCENE_SIZE - radii[0] - _MIN_GAP - 2 * radii[1])
+        right_cx = rng.uniform(left_cx + radii[0] + _MIN_GAP + radii[1], SCENE_SIZE - radii[1])
         cx = (left_cx, right_cx)
-        cy = rng.uniform(radii, img_size - radii)
+        cy = rng.uniform(radii, SCENE_SIZE - radii)
         background = rng.uniform(0, 90, size=3)
-        image = background + rng.normal(0, 12, size=(img_size, img_size, 3))
+        noise = rng.normal(0, _NOISE_STD, size=(SCENE_SIZE, SCENE_SIZE, 3))
+        if img_size != SCENE_SIZE:  # the frame's noise is drawn all the same, so that the next scenes are too
+            noise = noise_rng.normal(0, _NOISE_STD, size=(img_size, img_size, 3))
+        image = background + noise
         for shape, y, x, radius in zip(PAIRS[label], cy, cx, radii):
             colour = rng.uniform(130, 255, size=3)
             image[shape_mask(shape, y, x, radius, ys, xs)] = colour
