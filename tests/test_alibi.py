@@ -35,14 +35,16 @@ def test_bias_matches_the_float64_formula(height, width, prefix):
 
 @pytest.mark.parametrize('height,width', GRIDS)
 @pytest.mark.parametrize('prefix', [0, 1])
-def test_layer_output_matches_softmax_attention_with_the_bias(height, width, prefix):
+def test_layer_output_matches_softmax_attention_with_the_bias(height, width, prefix, device):
+    """The layer (on ``pytest --device``) is the float64 softmax attention with the reference's bias."""
     torch.manual_seed(0)
     layer = Attention(24, 3, phi='alibi', num_prefix_tokens=prefix).double()
     x = torch.randn(2, prefix + height * width, 24, dtype=torch.float64)
     with torch.no_grad():
         expected = softmax_attention(x, layer.qkv.weight, layer.qkv.bias, layer.proj.weight, layer.proj.bias, 3,
                                      alibi_bias(3, height, width), num_prefix_tokens=prefix)
-        torch.testing.assert_close(layer(x, (height, width)), expected, rtol=1e-10, atol=1e-12)
+        out = layer.to(device)(x.to(device), (height, width)).cpu()
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
 
 
 def test_slopes_are_alibis_geometric_sequence():

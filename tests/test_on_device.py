@@ -1,6 +1,7 @@
 """Checks on ``pytest --device`` (conftest.py) of what other files test on the CPU alone: every Φp's
-gradients, rpb, alibi and PEG against their float64 references, PerViT-T's parity with the release,
-and swapped timm / torchvision models that keep the original's outputs.
+gradients, PEG against its float64 reference, PerViT-T's parity with the release, and swapped timm /
+torchvision models that keep the original's outputs (rpb's and alibi's layers against their float64
+references take ``device`` in tests/test_rpb.py and tests/test_alibi.py).
 
 The models and layers run on the device; the references on the CPU, in float64 where the check is
 against a float64 formula. With the default ``--device cpu`` these run on the CPU like the rest,
@@ -12,7 +13,6 @@ import torch
 import posattn
 from posattn import Attention
 from posattn.convert import pervit_from_release
-from posattn.reference import alibi_bias, relative_position_bias, softmax_attention
 
 from conftest import assert_swap_keeps_outputs, gradcheck_layer, randomised, to_cpu
 from release_fixtures import pervit_fixture
@@ -26,29 +26,6 @@ def test_every_phi_passes_gradcheck(phi, device):
     parameters random, on a 2 x 3 grid with a class token (float64)."""
     layer = randomised(Attention(8, 2, phi=phi, num_prefix_tokens=1).double()).to(device)
     assert gradcheck_layer(layer, torch.randn(2, 7, 8, dtype=torch.float64).to(device), (2, 3))
-
-
-# Φp that add a grid bias, as (phi_cfg, its float64 formula over the grid pairs (heads, HW, HW)).
-GRID_BIASES = {
-    'rpb': (dict(table_size=(5, 5), prefix_entries=False),
-            lambda phi, height, width: relative_position_bias(phi.relative_position_bias_table.detach(), (5, 5),
-                                                              height, width)),
-    'alibi': ({}, lambda phi, height, width: alibi_bias(3, height, width)),
-}
-
-
-@pytest.mark.parametrize('phi', list(GRID_BIASES))
-def test_grid_bias_layer_equals_softmax_attention_with_the_formula(phi, device):
-    """softmax(q k^T / sqrt(d) + b) v with the reference's bias b over the grid pairs (zero for the
-    class token), on a 4 x 7 grid, parameters random; float64."""
-    cfg, formula = GRID_BIASES[phi]
-    layer = randomised(Attention(24, 3, phi=phi, phi_cfg=cfg, num_prefix_tokens=1).double())
-    x = torch.randn(2, 1 + 4 * 7, 24, dtype=torch.float64)
-    with torch.no_grad():
-        expected = softmax_attention(x, layer.qkv.weight, layer.qkv.bias, layer.proj.weight, layer.proj.bias, 3,
-                                     formula(layer.phi, 4, 7), num_prefix_tokens=1)
-        out = layer.to(device)(x.to(device), (4, 7))
-    torch.testing.assert_close(out.cpu(), expected, rtol=1e-10, atol=1e-12)
 
 
 def test_peg_layer_is_plain_attention_after_the_depthwise_convolution(device):

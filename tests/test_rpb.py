@@ -71,9 +71,9 @@ def test_without_prefix_tokens_the_table_is_swins():
 
 
 @pytest.mark.parametrize('height,width', GRIDS)
-def test_layer_output_matches_softmax_attention_with_the_bias(height, width):
-    """Without prefix entries the bias is zero for the class token: the layer is the float64
-    softmax attention with the reference's grid bias."""
+def test_layer_output_matches_softmax_attention_with_the_bias(height, width, device):
+    """Without prefix entries the bias is zero for the class token: the layer (on ``pytest --device``)
+    is the float64 softmax attention with the reference's grid bias (on the CPU)."""
     torch.manual_seed(0)
     layer = Attention(24, 3, phi='rpb', phi_cfg=dict(table_size=(5, 5), prefix_entries=False),
                       num_prefix_tokens=1).double()
@@ -84,7 +84,8 @@ def test_layer_output_matches_softmax_attention_with_the_bias(height, width):
     with torch.no_grad():
         expected = softmax_attention(x, layer.qkv.weight, layer.qkv.bias, layer.proj.weight, layer.proj.bias, 3,
                                      grid_bias, num_prefix_tokens=1)
-        torch.testing.assert_close(layer(x, (height, width)), expected, rtol=1e-10, atol=1e-12)
+        out = layer.to(device)(x.to(device), (height, width)).cpu()
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
 
 
 def test_bias_is_in_the_queries_dtype_and_device():
