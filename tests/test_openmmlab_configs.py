@@ -159,3 +159,24 @@ def test_shapes_dataset_splits_and_pipeline():
         DATASETS.build(dict(type='PositionalShapes', split='test'))
     with pytest.raises(ValueError, match='img_size 31 is too small to place two shapes side by side; use >= 32'):
         render_shapes(1, img_size=31)
+
+
+STUDY_CONFIGS = sorted(p.name for p in (REPO / 'configs' / 'study').glob('*.py'))
+
+
+@pytest.mark.parametrize('name', STUDY_CONFIGS)
+def test_study_configs_are_half_width_twins_with_one_budget(name):
+    """configs/study/: each model at half its width, trained with the embedded budget at a learning
+    rate of 1e-3, and runs at the sizes the resolution study tests (32 to 128 pixels)."""
+    cfg = Config.fromfile(REPO / 'configs' / 'study' / name)
+    reference = Config.fromfile(REPO / 'configs' / 'deit_t_none_shapes.py')
+    for key in cfg.keys():
+        if key not in ('model', 'optim_wrapper'):
+            assert cfg[key] == reference[key], key
+    assert cfg.optim_wrapper.optimizer.lr == 1e-3
+    assert cfg.model.head.in_channels == (140 if name.startswith('pervit') else 96)
+    model = MODELS.build(cfg.model).eval()
+    for size in (32, 128):
+        with torch.no_grad():
+            logits = model(torch.randn(2, 3, size, size), mode='tensor')
+        assert logits.shape == (2, 6) and torch.isfinite(logits).all()

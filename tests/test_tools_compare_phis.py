@@ -56,6 +56,46 @@ def test_every_row_config_has_what_the_tool_sets(tool):
                 assert cfg.model.head.init_cfg == dict(type='Pretrained', checkpoint=cfg.pretrained, prefix='head.')
 
 
+def test_the_resolution_experiment_tests_each_row_at_half_to_twice_its_training_size(tool):
+    rows = tool.EXPERIMENTS['resolution']
+    assert set(rows) >= {'none', 'ape', 'peg', 'irpe', 'peripheral', 'pervit_t', 'rope', 'rpb', 'alibi', 'gpsa'}
+    for row in rows.values():
+        assert tool.test_sizes(row, ['randomness.seed=0']) == [32, 48, 64, 96, 128], row.config
+    assert tool.test_sizes(rows['ape'], ['test_dataloader.dataset.img_size=32']) == [16, 24, 32, 48, 64]
+    with pytest.raises(ValueError, match='not a whole number of pixels'):
+        tool.test_sizes(rows['ape'], ['test_dataloader.dataset.img_size=50'])  # 0.75 x 50 = 37.5
+
+
+def test_every_table_gives_the_mean_the_standard_deviation_and_the_number_of_seeds(tool):
+    assert tool.mean_std([98.0, 99.0, 100.0]) == '99.0 ± 1.0 (3 seeds)'  # sample deviation, n - 1
+    assert tool.mean_std([97.25]) == '97.2 (1 seed)'
+    runs = [dict(row='a', seed=seed, top1_per_epoch=[50.0, final], step_time_s=0.1, params=1e6, wall_s=60.0,
+                 top1_at_size={'32': final - 10, '64': final})
+            for seed, final in enumerate((90.0, 92.0, 94.0))]
+    rows = {'a': tool.Row('study/deit-t-half_ape_shapes.py', 'APE')}
+    table = tool.summarise(runs, rows)
+    assert table[0]['top1_std'] == pytest.approx(2.0) and table[0]['top1_spread'] == pytest.approx(4.0)
+    assert '| APE | `study/deit-t-half_ape_shapes.py` | 1.00 | 2 | 92.0 ± 2.0 (3 seeds) | 4.0 |' in tool.markdown(table, runs)
+    assert '| APE | 82.0 ± 2.0 (3 seeds) | 92.0 ± 2.0 (3 seeds) |' in tool.resolution_markdown(table, runs)
+
+
+def test_a_run_is_reused_only_with_the_same_config_and_options(tool, tmp_path, monkeypatch):
+    monkeypatch.setattr(tool, 'config_path', lambda config: tmp_path / config)
+    row = tool.Row('row.py', 'a row')
+    (tmp_path / 'row.py').write_text('model = dict(width=96)\n')
+    options = ['randomness.seed=0']
+    digest = tool.config_digest(row, options)
+    assert tool.config_digest(row, ['randomness.seed=1']) != digest
+    run_dir = tmp_path / 'run'
+    run_dir.mkdir()
+    assert tool.finished_run(run_dir, options, digest) is None  # nothing recorded yet
+    (run_dir / tool.RUN_RECORD).write_text(json.dumps(dict(options=options, config_digest=digest)))
+    assert tool.finished_run(run_dir, options, digest) == dict(options=options, config_digest=digest)
+    assert tool.finished_run(run_dir, ['randomness.seed=1'], digest) is None
+    (tmp_path / 'row.py').write_text('model = dict(width=64)\n')  # the config was edited since
+    assert tool.finished_run(run_dir, options, tool.config_digest(row, options)) is None
+
+
 def test_a_run_is_read_from_every_log_folder_in_order(tool, tmp_path):
     """A resumed run has a log folder per start: top-1 per epoch and step times over both, in order."""
     with pytest.raises(FileNotFoundError, match='no mmengine scalars under'):
@@ -109,7 +149,8 @@ def small_run(work_dir, *args, train_images=64):
     result, checked to have succeeded."""
     command = [sys.executable, 'tools/compare_phis.py', *args, '--epochs', '2', '--work-dir', str(work_dir),
                '--cfg-options', f'train_dataloader.dataset.num_images={train_images}', 'train_dataloader.batch_size=32',
-               'val_dataloader.dataset.num_images=32', 'default_hooks.logger.interval=1']
+               'val_dataloader.dataset.num_images=32', 'test_dataloader.dataset.num_images=32',
+               'default_hooks.logger.interval=1']
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return command, result
@@ -164,7 +205,7 @@ def test_ablations_experiment_measures_the_attention_of_each_run(tool, tmp_path)
     without_phi, without_content = record['runs']
     for run in record['runs']:
         measured = json.loads((tmp_path / run['row'] / 'seed0' / 'analysis' / 'metrics.json').read_text())
-        assert measured['num_images'] == 32 and all(layer['grid'] == [8, 8] for layer in measured['layers'])
+        assert measured['num_images'] == 32 and all(layer['grid'] == [4, 4] for layer in measured['layers'])
         assert run['nonlocality']['mixed'] == pytest.approx(
             [sum(layer['nonlocality_mixed']) / 4 for layer in measured['layers']])
         assert len(run['nonlocality']['mixed']) == 12
@@ -177,3 +218,25 @@ def test_ablations_experiment_measures_the_attention_of_each_run(tool, tmp_path)
     mixed, position = line.split('|')[2:4]
     assert len([float(value) for value in mixed.split()]) == 12 and position.split() == ['-'] * 12
     assert (tmp_path / 'comparison.png').read_bytes()[:4] == b'\x89PNG'
+
+
+@pytest.mark.slow
+def test_resolution_experiment_tests_each_run_at_every_size_once(tmp_path):
+    command, result = small_run(tmp_path, '--experiment', 'resolution', '--rows', 'ape', 'rope')
+    record = json.loads((tmp_path / 'comparison.json').read_text())
+    for run in record['runs']:
+        assert list(run['top1_at_size']) == ['32', '48', '64', '96', '128']
+        assert all(0 <= top1 <= 100 for top1 in run['top1_at_size'].values())
+        # at the training size the test split is the validation split: the same images, the same top-1
+        assert run['top1_at_size']['64'] == pytest.approx(run['top1_per_epoch'][-1])
+        measured = tmp_path / run['row'] / 'seed0' / 'resolution' / 'top1_at_128.json'
+        assert json.loads(measured.read_text())['img_size'] == [128, 128]
+    assert '| APE (learned absolute embedding) | ' in (tmp_path / 'comparison.md').read_text().split('without fine-tuning')[1]
+    assert (tmp_path / 'resolution.png').read_bytes()[:4] == b'\x89PNG'
+
+    # again: neither trained nor tested again
+    log = (tmp_path / 'resolution.log').read_text()
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count('reusing') == 2 and (tmp_path / 'resolution.log').read_text() == log
+    assert json.loads((tmp_path / 'comparison.json').read_text())['runs'] == record['runs']

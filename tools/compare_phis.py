@@ -1,10 +1,11 @@
-"""Φp compared on the embedded set, one budget per row, in four experiments:
+"""Φp compared on the embedded set, one budget per row, in five experiments:
 
     python tools/compare_phis.py                       # table2: 5 rows x seed 0, 10 epochs each
     python tools/compare_phis.py --epochs 3 --seeds 0 1 --rows deit_t_none pervit_t
     python tools/compare_phis.py --experiment schemes  # DeiT-T with RoPE, tables, ALiBi, GPSA; ConViT-T
     python tools/compare_phis.py --experiment swap     # DeiT-T, then a fine-tune per swapped-in Φp
-    python tools/compare_phis.py --experiment ablations --seeds 0 1   # PerViT's study, 8 x 8 grid
+    python tools/compare_phis.py --experiment ablations --seeds 0 1 2   # PerViT's study, half width
+    python tools/compare_phis.py --experiment resolution --seeds 0 1 2  # each Φp tested at 0.5-2x its size
 
 ``table2`` is PerViT Table 2: the same ViT-Tiny with each Φp, and PerViT-T, from scratch.
 ``schemes`` puts the positional schemes of later ViTs in the same ViT-Tiny, from scratch (RoPE-Mixed,
@@ -13,30 +14,39 @@ ConViT-T-like model. ``swap``
 trains mmpretrain's own DeiT-T (``configs/swap/deit-t_shapes.py``), then fine-tunes that checkpoint
 with each Φp swapped in by ``PosattnSwappedBackbone`` (``configs/swap/deit-t_finetune-*_shapes.py``).
 ``ablations`` is PerViT's component study (Table 1 rows (a), (b), (c)) and Φp initialisations
-(Table 5: peripheral is row (a), conv, rand) on an 8 x 8 token grid
+(Table 5: peripheral is row (a), conv, rand) with PerViT-T at half width
 (``configs/ablations/shapes/``); after each run ``tools/analyze.py`` measures its attention, and
 the nonlocality of Φp and Φa per layer (the paper's Fig. A8) joins the run's record.
+``resolution`` is CPVT Table 3's last column: each Φp in DeiT-T at half width, with PerViT-T at half
+width (``configs/study/``), trained at 64 x 64 and tested, without fine-tuning, at 0.5, 0.75, 1, 1.5
+and 2 times that size (``tools/test.py --img-size``: the same test scenes drawn at each size).
 
 Every row is a config trained by ``tools/train.py`` (one process per run, its log under the work
 dir) with the data and recipe of ``configs/_base_/shapes.py``: within an experiment's stage only
-the model differs. ``--epochs`` sets every run's length alike (the cosine schedule ends with it);
-each seed sets mmengine's ``randomness.seed`` (initialisation and shuffling; the data is the same).
-A row that starts from another (the fine-tunes) takes the last checkpoint of that row's run with
-the same seed.
+the model differs (the half-width models of ``configs/study/`` train at a learning rate of 1e-3).
+``--epochs`` sets every run's length alike (the cosine schedule ends with it); each seed sets
+mmengine's ``randomness.seed`` (initialisation and shuffling; the data is the same). A row that
+starts from another (the fine-tunes) takes the last checkpoint of that row's run with the same seed.
 
-A run that finished before in the work dir with the same overrides (its ``run.json``) is
-reused, not trained again; delete its folder to rerun it. Writes to the work dir:
+A run that finished before in the work dir with the same config and overrides (its ``run.json``)
+is reused, not trained again, and a size it was tested at is not tested again: an interrupted study
+goes on where it stopped. Delete a run's folder to rerun it. Writes to the work dir:
 ``comparison.json`` (every run: validation top-1 per epoch, parameters, median training step
-time over mmengine's logged windows, wall time), ``comparison.md`` (the table: means over seeds,
-and per seed the first epoch at 95% top-1) and ``comparison.png`` (validation top-1 per epoch,
-and final top-1 against step time).
+time over mmengine's logged windows, wall time, top-1 per test size), ``comparison.md`` (the
+tables: mean ± standard deviation over seeds with their number, the range, and per seed the first
+epoch at 95% top-1) and ``comparison.png`` (validation top-1 per epoch, and final top-1 against step
+time); the resolution experiment adds ``resolution.png`` (top-1 against test size, a band over
+seeds) and ``resolution.log`` (tools/test.py's output).
 """
 import argparse
+import hashlib
+import importlib.util
 import json
 import statistics
 import subprocess
 import sys
 import time
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 from typing import NamedTuple, Optional
@@ -90,6 +100,20 @@ EXPERIMENTS['ablations'] = {  # PerViT Table 1 (a)-(c) and Table 5 (top), from s
     'init_conv': Row(ABLATION_CONFIGS.format('init-conv'), '(a), conv init'),
     'init_rand': Row(ABLATION_CONFIGS.format('init-rand'), '(a), rand init'),
 }
+STUDY_CONFIGS = 'study/deit-t-half_{}_shapes.py'
+EXPERIMENTS['resolution'] = {  # CPVT Table 3's last column: trained at 64 x 64, tested at other sizes as they are
+    'none': Row(STUDY_CONFIGS.format('none'), 'no position (plain attention, no embedding)'),
+    'ape': Row(STUDY_CONFIGS.format('ape'), 'APE (learned absolute embedding)'),
+    'peg': Row(STUDY_CONFIGS.format('peg'), 'CPVT (PEG), no APE'),
+    'irpe': Row(STUDY_CONFIGS.format('irpe'), 'iRPE-K + APE'),
+    'peripheral': Row(STUDY_CONFIGS.format('peripheral'), 'PPE (peripheral) + APE'),
+    'pervit_t': Row('study/pervit-t-half_shapes.py', 'PerViT-T (conv stem, CPE, peripheral)'),
+    'rope': Row(STUDY_CONFIGS.format('rope'), 'RoPE-Mixed, no APE'),
+    'rpb': Row(STUDY_CONFIGS.format('rpb'), 'bias table (rpb), no APE'),
+    'alibi': Row(STUDY_CONFIGS.format('alibi'), '2D ALiBi, no APE'),
+    'gpsa': Row(STUDY_CONFIGS.format('gpsa'), 'GPSA + APE'),
+}
+TEST_GRID_FACTORS = (0.5, 0.75, 1.0, 1.5, 2.0)  # test sizes of the resolution experiment, times the training size
 MEASURED_EXPERIMENTS = {'ablations'}  # their runs are analysed (tools/analyze.py) after training
 ANALYSED_IMAGES = 256
 # The inits that a fine-tune's starting checkpoint goes to: the swapped backbone's and the head's.
@@ -104,7 +128,8 @@ def parse_args(argv=None):
     parser.add_argument('--experiment', choices=list(EXPERIMENTS), default='table2',
                         help="table2: PerViT Table 2's rows from scratch; schemes: later ViTs' positional schemes "
                              "in DeiT-T, and ConViT-T; swap: DeiT-T, then a fine-tune per Φp; "
-                             "ablations: PerViT's components and Φp initialisations on an 8 x 8 grid")
+                             "ablations: PerViT's components and Φp initialisations, half width; resolution: each Φp "
+                             "at half width, trained at 64 px and tested at 0.5-2x that size")
     parser.add_argument('--rows', nargs='+', help="rows to train (default: all of the experiment's; a row that "
                                                   'starts from another trains that one too)')
     parser.add_argument('--seeds', nargs='+', type=int, default=[0], help='one run per row and seed')
@@ -157,10 +182,15 @@ def overrides(args, seed: int, starting_checkpoint: Optional[Path] = None) -> li
     return [f'{key}={value}' for key, value in options.items()]
 
 
+def parsed_options(options: list) -> dict:
+    """``key=value`` overrides as tools/train.py's ``--cfg-options`` reads them (numbers, lists, tuples)."""
+    return {key: DictAction._parse_iterable(value) for key, value in (option.split('=', 1) for option in options)}
+
+
 def count_parameters(row: Row, options: list) -> int:
     from mmpretrain.registry import MODELS
     cfg = Config.fromfile(config_path(row.config))
-    cfg.merge_from_dict(dict(option.split('=', 1) for option in options))
+    cfg.merge_from_dict(parsed_options(options))
     init_default_scope(cfg.default_scope)
     from posattn_openmmlab import posattn_checkpoint_loading
     with posattn_checkpoint_loading():  # a swap row starts from a checkpoint of our own training
@@ -203,6 +233,47 @@ def measure_nonlocality(row: Row, options: list, run_dir: Path) -> dict:
     return dict(position=head_means('nonlocality_position'), mixed=head_means('nonlocality_mixed'))
 
 
+def _test_tool():
+    """tools/test.py as a module (loaded by path: ``test`` is also a package of the standard library)."""
+    spec = importlib.util.spec_from_file_location('posattn_test_tool', REPO_ROOT / 'tools' / 'test.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sizes(row: Row, options: list) -> list:
+    """The image sides the resolution experiment tests a row at: its config's test size times each of
+    ``TEST_GRID_FACTORS``, which must give whole pixels."""
+    cfg = Config.fromfile(config_path(row.config))
+    cfg.merge_from_dict(parsed_options(options))
+    trained = _test_tool().config_test_size(cfg)
+    if trained is None or trained[0] != trained[1]:
+        raise ValueError(f'{row.config}: the resolution experiment needs a square test size in the config, got '
+                         f'{trained}')
+    sizes = [trained[0] * factor for factor in TEST_GRID_FACTORS]
+    if any(size != int(size) for size in sizes):
+        raise ValueError(f'{row.config}: a test size of {trained[0]} pixels times {TEST_GRID_FACTORS} is not a '
+                         f'whole number of pixels each time')
+    return [int(size) for size in sizes]
+
+
+def evaluate_at_sizes(row: Row, options: list, run_dir: Path, log) -> dict:
+    """Top-1 of the run's last checkpoint at each of ``test_sizes``, without fine-tuning: tools/test.py
+    ``--img-size`` in this process, its output to ``log``. Returns {side in pixels (str): top-1}; a
+    size measured before (its JSON under ``run_dir/resolution``) is read, not measured again."""
+    tool, out_dir = _test_tool(), run_dir / 'resolution'
+    top1 = {}
+    for size in test_sizes(row, options):
+        out = out_dir / f'top1_at_{size}.json'
+        if not out.is_file():
+            argv = [str(config_path(row.config)), str(last_checkpoint(run_dir)), '--img-size', str(size),
+                    '--work-dir', str(out_dir), '--out', str(out), '--cfg-options', *options]
+            with redirect_stdout(log), redirect_stderr(log):
+                tool.main(argv)
+        top1[str(size)] = json.loads(out.read_text())['accuracy/top1']
+    return top1
+
+
 def read_run(work_dir: Path) -> dict:
     """Validation top-1 per epoch and mean step time, from the run's mmengine scalars (every log
     folder in time order: a run that was resumed has one per start)."""
@@ -218,13 +289,22 @@ def read_run(work_dir: Path) -> dict:
     return dict(top1_per_epoch=accuracy, step_time_s=statistics.median(step_times))
 
 
-def finished_run(work_dir: Path, options: list):
-    """The record of a run that finished in ``work_dir`` with these ``--cfg-options``, else None."""
+def config_digest(row: Row, options: list) -> str:
+    """A fingerprint of the config the run trains, ``--cfg-options`` applied: a run recorded with
+    another one (the config file or a base it inherits was edited since) is trained again."""
+    cfg = Config.fromfile(config_path(row.config))
+    cfg.merge_from_dict(dict(option.split('=', 1) for option in options))  # as written: a fingerprint only
+    return hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def finished_run(work_dir: Path, options: list, digest: str):
+    """The record of a run that finished in ``work_dir`` with these ``--cfg-options`` and this
+    config (its ``config_digest``), else None."""
     path = work_dir / RUN_RECORD
     if not path.is_file():
         return None
     run = json.loads(path.read_text())
-    return run if run.get('options') == options else None
+    return run if run.get('options') == options and run.get('config_digest') == digest else None
 
 
 def summarise(runs: list, rows: dict) -> list:
@@ -235,7 +315,8 @@ def summarise(runs: list, rows: dict) -> list:
         finals = [run['top1_per_epoch'][-1] for run in mine]
         table.append(dict(
             row=row, model=rows[row].label, config=rows[row].config, seeds=[run['seed'] for run in mine],
-            top1=statistics.fmean(finals), top1_spread=(max(finals) - min(finals)) if len(finals) > 1 else None,
+            top1=statistics.fmean(finals), top1_std=statistics.stdev(finals) if len(finals) > 1 else None,
+            top1_spread=(max(finals) - min(finals)) if len(finals) > 1 else None,
             best_top1=statistics.fmean(max(run['top1_per_epoch']) for run in mine),
             epochs_to_target=[next((epoch for epoch, top1 in enumerate(run['top1_per_epoch'], 1) if top1 >= TARGET_TOP1),
                                    None) for run in mine],
@@ -257,15 +338,36 @@ def _mean_nonlocality(runs: list) -> Optional[dict]:
     return means
 
 
-def markdown(table: list) -> str:
-    lines = ['| model | config | params (M) | epochs | final val top-1 (%) | best epoch top-1 (%) '
-             f'| epochs to {TARGET_TOP1:g}% | step time (ms) | run time (min) |', '|---|---|---|---|---|---|---|---|---|']
+def mean_std(values: list) -> str:
+    """'mean ± standard deviation (n seeds)' of per-seed values; the sample deviation (n - 1)."""
+    if len(values) == 1:
+        return f'{values[0]:.1f} (1 seed)'
+    return f'{statistics.fmean(values):.1f} ± {statistics.stdev(values):.1f} ({len(values)} seeds)'
+
+
+def markdown(table: list, runs: list) -> str:
+    lines = ['| model | config | params (M) | epochs | final val top-1 (%), mean ± std | range over seeds '
+             f'| best epoch top-1 (%) | epochs to {TARGET_TOP1:g}% | step time (ms) | run time (min) |',
+             '|---|---|---|---|---|---|---|---|---|---|']
     for line in table:
-        spread = f' (range {line["top1_spread"]:.1f}, {len(line["seeds"])} seeds)' if line['top1_spread'] is not None else ''
+        finals = [run['top1_per_epoch'][-1] for run in runs if run['row'] == line['row']]
+        spread = '-' if line['top1_spread'] is None else f'{line["top1_spread"]:.1f}'
         reached = ', '.join('-' if epoch is None else str(epoch) for epoch in line['epochs_to_target'])
         lines.append(f'| {line["model"]} | `{line["config"]}` | {line["params_m"]:.2f} | {line["epochs"]} '
-                     f'| {line["top1"]:.1f}{spread} | {line["best_top1"]:.1f} | {reached} | {line["step_time_ms"]:.0f} '
-                     f'| {line["wall_min"]:.1f} |')
+                     f'| {mean_std(finals)} | {spread} | {line["best_top1"]:.1f} | {reached} '
+                     f'| {line["step_time_ms"]:.0f} | {line["wall_min"]:.1f} |')
+    return '\n'.join(lines) + '\n'
+
+
+def resolution_markdown(table: list, runs: list) -> str:
+    """Top-1 per row at each test size, mean ± std over seeds (the resolution experiment)."""
+    sizes = list(runs[0]['top1_at_size'])
+    lines = ['| model | ' + ' | '.join(f'{factor:g}x: {size} px' for factor, size in zip(TEST_GRID_FACTORS, sizes))
+             + ' |', '|---|' + '---|' * len(sizes)]
+    for line in table:
+        mine = [run for run in runs if run['row'] == line['row']]
+        lines.append(f'| {line["model"]} | ' + ' | '.join(mean_std([run['top1_at_size'][size] for run in mine])
+                                                          for size in sizes) + ' |')
     return '\n'.join(lines) + '\n'
 
 
@@ -326,6 +428,36 @@ def plot(runs: list, table: list, rows: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_resolution(table: list, runs: list, rows: dict, path: Path) -> None:
+    """Top-1 against the test size (times the training size) per row: the mean over seeds as a line,
+    the seeds' lowest to highest as a band."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    from posattn.analysis.figures import DEFAULT_DPI, FIGURE_STYLE
+
+    sizes = list(runs[0]['top1_at_size'])
+    with plt.rc_context(FIGURE_STYLE):
+        fig, axis = plt.subplots(figsize=(8.5, 5.2))
+        for index, line in enumerate(table):
+            per_seed = [[run['top1_at_size'][size] for size in sizes] for run in runs if run['row'] == line['row']]
+            by_size = list(zip(*per_seed))
+            colour = f'C{index % 10}'  # ten rows at most: one colour each
+            axis.plot(TEST_GRID_FACTORS, [statistics.fmean(values) for values in by_size], color=colour, marker='o',
+                      label=f'{line["model"]} ({len(per_seed)} seeds)')
+            axis.fill_between(TEST_GRID_FACTORS, [min(values) for values in by_size],
+                              [max(values) for values in by_size], color=colour, alpha=0.15, linewidth=0)
+        axis.axvline(1.0, color='grey', linewidth=1, linestyle=':')
+        axis.axhline(100 / 6, color='grey', linewidth=1, linestyle=':', label='chance')
+        axis.set_xticks(TEST_GRID_FACTORS, [f'{factor:g}x\n{size} px' for factor, size in zip(TEST_GRID_FACTORS, sizes)])
+        axis.set(xlabel='test size, times the training size (no fine-tuning)', ylabel='validation top-1 (%)',
+                 title='PositionalShapes at other input sizes: mean over seeds, band from lowest to highest seed')
+        axis.legend(fontsize=8, loc='lower left', ncol=2)
+        fig.tight_layout()
+        fig.savefig(path, dpi=DEFAULT_DPI)
+        plt.close(fig)
+
+
 def main(argv=None):
     args = parse_args(argv)
     work_dir = Path(args.work_dir)
@@ -339,17 +471,25 @@ def main(argv=None):
         print(f'[{index}/{len(plan)}] {row.label} ({row.config}), seed {seed}: log {run_dir / "train.log"}', flush=True)
         start = last_checkpoint(run_dirs[row.start_from, seed]) if row.start_from else None
         options = overrides(args, seed, start)
-        run = finished_run(run_dir, options)
+        digest = config_digest(row, options)
+        run = finished_run(run_dir, options, digest)
         if run is not None:
-            print(f'    finished before with the same settings: reusing {run_dir / RUN_RECORD}')
+            print(f'    finished before with the same config and settings: reusing {run_dir / RUN_RECORD}')
         else:
             wall = train(row, options, run_dir)
-            run = dict(row=name, seed=seed, options=options, params=count_parameters(row, options), wall_s=wall,
-                       **read_run(run_dir))
+            run = dict(row=name, seed=seed, options=options, config_digest=digest,
+                       params=count_parameters(row, options), wall_s=wall, **read_run(run_dir))
             (run_dir / RUN_RECORD).write_text(json.dumps(run, indent=1))
         if args.experiment in MEASURED_EXPERIMENTS and 'nonlocality' not in run:
             run['nonlocality'] = measure_nonlocality(row, options, run_dir)
             (run_dir / RUN_RECORD).write_text(json.dumps(run, indent=1))
+        if args.experiment == 'resolution' and list(run.get('top1_at_size', ())) != list(
+                map(str, test_sizes(row, options))):
+            with open(work_dir / 'resolution.log', 'a') as log:
+                run['top1_at_size'] = evaluate_at_sizes(row, options, run_dir, log)
+            (run_dir / RUN_RECORD).write_text(json.dumps(run, indent=1))
+            print('    top-1 at ' + ', '.join(f'{size} px {top1:.1f}%' for size, top1 in run['top1_at_size'].items()),
+                  flush=True)
         runs.append(run)
         print(f'    top-1 {run["top1_per_epoch"][-1]:.1f}% after {len(run["top1_per_epoch"])} epochs, '
               f'{1e3 * run["step_time_s"]:.0f} ms/step, {run["wall_s"] / 60:.1f} min', flush=True)
@@ -358,11 +498,15 @@ def main(argv=None):
     command = 'python tools/compare_phis.py ' + ' '.join(sys.argv[1:] if argv is None else argv)
     (work_dir / 'comparison.json').write_text(json.dumps(dict(command=command.strip(), runs=runs, table=table), indent=1))
     measures = nonlocality_markdown(table)
-    text = markdown(table) + ('\n' + measures if measures else '')
+    text = markdown(table, runs) + ('\n' + measures if measures else '')
+    if args.experiment == 'resolution':
+        text += '\nTop-1 (%) at each test size, without fine-tuning:\n\n' + resolution_markdown(table, runs)
+        plot_resolution(table, runs, rows, work_dir / 'resolution.png')
     (work_dir / 'comparison.md').write_text(text)
     plot(runs, table, rows, work_dir / 'comparison.png')
     print('\n' + text)
-    print(f'wrote {work_dir / "comparison.md"}, comparison.json and comparison.png')
+    print(f'wrote {work_dir / "comparison.md"}, comparison.json and comparison.png'
+          + (' and resolution.png' if args.experiment == 'resolution' else ''))
 
 if __name__ == '__main__':
     main()
