@@ -13,8 +13,10 @@ a relative position bias table, 2D ALiBi, gated positional attention), beside pl
 ConViT-T-like model. ``swap``
 trains mmpretrain's own DeiT-T (``configs/swap/deit-t_shapes.py``), then fine-tunes that checkpoint
 with each Φp swapped in by ``PosattnSwappedBackbone`` (``configs/swap/deit-t_finetune-*_shapes.py``).
-``ablations`` is PerViT's component study (Table 1 rows (a), (b), (c)) and Φp initialisations
-(Table 5: peripheral is row (a), conv, rand) with PerViT-T at half width
+``ablations`` is PerViT's component study (Table 1 rows (a), (b), (c)), Φp initialisations
+(Table 5, top: peripheral is row (a), conv, rand) and Φp designs (Table 5, bottom: a Euclidean or a
+learned embedding of the offsets, with or without the neighbourhood term N and several layers ML;
+row (a) is Euc + N + ML) with PerViT-T at half width
 (``configs/ablations/shapes/``); after each run ``tools/analyze.py`` measures its attention, and
 the nonlocality of Φp and Φa per layer (the paper's Fig. A8) joins the run's record.
 ``resolution`` is CPVT Table 3's last column: each Φp in DeiT-T at half width, with PerViT-T at half
@@ -93,12 +95,17 @@ EXPERIMENTS = {
     },
 }
 ABLATION_CONFIGS = 'ablations/shapes/pervit-t_{}_shapes.py'
-EXPERIMENTS['ablations'] = {  # PerViT Table 1 (a)-(c) and Table 5 (top), from scratch on an 8 x 8 grid
+EXPERIMENTS['ablations'] = {  # PerViT Table 1 (a)-(c) and Table 5 (Φp inits, Φp designs), PerViT-T at half width
     'a': Row(ABLATION_CONFIGS.format('components-a'), '(a) PerViT-T, peripheral init'),
     'b': Row(ABLATION_CONFIGS.format('components-b'), '(b) without Φp'),
     'c': Row(ABLATION_CONFIGS.format('components-c'), '(c) without Φc'),
     'init_conv': Row(ABLATION_CONFIGS.format('init-conv'), '(a), conv init'),
     'init_rand': Row(ABLATION_CONFIGS.format('init-rand'), '(a), rand init'),
+    'design_euc_ml': Row(ABLATION_CONFIGS.format('design-euc-ml'), '(a), Φp Euc + ML'),
+    'design_euc': Row(ABLATION_CONFIGS.format('design-euc'), '(a), Φp Euc'),
+    'design_lrn_n_ml': Row(ABLATION_CONFIGS.format('design-lrn-n-ml'), '(a), Φp Lrn + N + ML'),
+    'design_lrn_ml': Row(ABLATION_CONFIGS.format('design-lrn-ml'), '(a), Φp Lrn + ML'),
+    'design_lrn': Row(ABLATION_CONFIGS.format('design-lrn'), '(a), Φp Lrn'),
 }
 STUDY_CONFIGS = 'study/deit-t-half_{}_shapes.py'
 EXPERIMENTS['resolution'] = {  # CPVT Table 3's last column: trained at 64 x 64, tested at other sizes as they are
@@ -128,7 +135,7 @@ def parse_args(argv=None):
     parser.add_argument('--experiment', choices=list(EXPERIMENTS), default='table2',
                         help="table2: PerViT Table 2's rows from scratch; schemes: later ViTs' positional schemes "
                              "in DeiT-T, and ConViT-T; swap: DeiT-T, then a fine-tune per Φp; "
-                             "ablations: PerViT's components and Φp initialisations, half width; resolution: each Φp "
+                             "ablations: PerViT's components, Φp initialisations and designs, half width; resolution: each Φp "
                              "at half width, trained at 64 px and tested at 0.5-2x that size")
     parser.add_argument('--rows', nargs='+', help="rows to train (default: all of the experiment's; a row that "
                                                   'starts from another trains that one too)')
