@@ -445,7 +445,7 @@ def plot_resolution(table: list, runs: list, rows: dict, path: Path) -> None:
 
     sizes = list(runs[0]['top1_at_size'])
     with plt.rc_context(FIGURE_STYLE):
-        fig, axis = plt.subplots(figsize=(8.5, 5.2))
+        fig, axis = plt.subplots(figsize=(11, 5.2))
         for index, line in enumerate(table):
             per_seed = [[run['top1_at_size'][size] for size in sizes] for run in runs if run['row'] == line['row']]
             by_size = list(zip(*per_seed))
@@ -458,8 +458,8 @@ def plot_resolution(table: list, runs: list, rows: dict, path: Path) -> None:
         axis.axhline(100 / 6, color='grey', linewidth=1, linestyle=':', label='chance')
         axis.set_xticks(TEST_GRID_FACTORS, [f'{factor:g}x\n{size} px' for factor, size in zip(TEST_GRID_FACTORS, sizes)])
         axis.set(xlabel='test size, times the training size (no fine-tuning)', ylabel='validation top-1 (%)',
-                 title='PositionalShapes at other input sizes: mean over seeds, band from lowest to highest seed')
-        axis.legend(fontsize=8, loc='lower left', ncol=2)
+                 title='PositionalShapes at other input sizes: mean over seeds, band from lowest to highest')
+        axis.legend(fontsize=9, loc='upper left', bbox_to_anchor=(1.01, 1))  # beside the axes, clear of the lines
         fig.tight_layout()
         fig.savefig(path, dpi=DEFAULT_DPI)
         plt.close(fig)
