@@ -41,6 +41,7 @@ time); the resolution experiment adds ``resolution.png`` (top-1 against test siz
 seeds) and ``resolution.log`` (tools/test.py's output).
 """
 import argparse
+import functools
 import hashlib
 import importlib.util
 import json
@@ -240,8 +241,9 @@ def measure_nonlocality(row: Row, options: list, run_dir: Path) -> dict:
     return dict(position=head_means('nonlocality_position'), mixed=head_means('nonlocality_mixed'))
 
 
+@functools.lru_cache(maxsize=None)
 def _test_tool():
-    """tools/test.py as a module (loaded by path: ``test`` is also a package of the standard library)."""
+    """tools/test.py as a module, loaded once (loaded by path: ``test`` is also a package of the standard library)."""
     spec = importlib.util.spec_from_file_location('posattn_test_tool', REPO_ROOT / 'tools' / 'test.py')
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -435,7 +437,7 @@ def plot(runs: list, table: list, rows: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_resolution(table: list, runs: list, rows: dict, path: Path) -> None:
+def plot_resolution(table: list, runs: list, path: Path) -> None:
     """Top-1 against the test size (times the training size) per row: the mean over seeds as a line,
     the seeds' lowest to highest as a band."""
     import matplotlib
@@ -508,7 +510,7 @@ def main(argv=None):
     text = markdown(table, runs) + ('\n' + measures if measures else '')
     if args.experiment == 'resolution':
         text += '\nTop-1 (%) at each test size, without fine-tuning:\n\n' + resolution_markdown(table, runs)
-        plot_resolution(table, runs, rows, work_dir / 'resolution.png')
+        plot_resolution(table, runs, work_dir / 'resolution.png')
     (work_dir / 'comparison.md').write_text(text)
     plot(runs, table, rows, work_dir / 'comparison.png')
     print('\n' + text)
