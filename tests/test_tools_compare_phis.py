@@ -96,6 +96,18 @@ def test_a_run_is_reused_only_with_the_same_config_and_options(tool, tmp_path, m
     assert tool.finished_run(run_dir, options, tool.config_digest(row, options)) is None
 
 
+def test_an_unfinished_or_other_run_is_set_aside_not_mixed_into_the_new_one(tool, tmp_path):
+    run_dir = tmp_path / 'seed0'
+    assert tool.set_aside(run_dir) is None  # nothing there yet
+    run_dir.mkdir()
+    assert tool.set_aside(run_dir) is None  # an empty folder stays
+    (run_dir / '20260101_000000' / 'vis_data').mkdir(parents=True)
+    (run_dir / '20260101_000000' / 'vis_data' / 'scalars.json').write_text('{"accuracy/top1": 50.0}\n')
+    aside = tool.set_aside(run_dir)
+    assert not run_dir.exists() and aside.name.startswith('seed0.before-')
+    assert (aside / '20260101_000000' / 'vis_data' / 'scalars.json').is_file()  # kept, not deleted
+
+
 def test_a_run_is_read_from_every_log_folder_in_order(tool, tmp_path):
     """A resumed run has a log folder per start: top-1 per epoch and step times over both, in order."""
     with pytest.raises(FileNotFoundError, match='no mmengine scalars under'):

@@ -32,7 +32,9 @@ starts from another (the fine-tunes) takes the last checkpoint of that row's run
 
 A run that finished before in the work dir with the same config and overrides (its ``run.json``)
 is reused, not trained again, and a size it was tested at is not tested again: an interrupted study
-goes on where it stopped. Delete a run's folder to rerun it. Writes to the work dir:
+goes on where it stopped. A run's folder that holds anything else (an interrupted run, or one of
+another config) is moved to ``<seed folder>.before-<time>`` and the run trained afresh. Delete a
+run's folder to rerun it. Writes to the work dir:
 ``comparison.json`` (every run: validation top-1 per epoch, parameters, median training step
 time over mmengine's logged windows, wall time, top-1 per test size), ``comparison.md`` (the
 tables: mean ± standard deviation over seeds with their number, the range, and per seed the first
@@ -298,6 +300,18 @@ def read_run(work_dir: Path) -> dict:
     return dict(top1_per_epoch=accuracy, step_time_s=statistics.median(step_times))
 
 
+def set_aside(run_dir: Path) -> Optional[Path]:
+    """Moves what ``run_dir`` holds from an earlier, unfinished or differently configured run to
+    ``<run_dir>.before-<time>``, so that the new run's logs are read alone and nothing is deleted.
+    Returns where it went (None: nothing there)."""
+    if not run_dir.exists() or not any(run_dir.iterdir()):
+        return None
+    aside = run_dir.with_name(f'{run_dir.name}.before-{time.strftime("%Y%m%d-%H%M%S")}')
+    run_dir.rename(aside)
+    print(f'    {run_dir} held an unfinished or differently configured run: moved to {aside}', flush=True)
+    return aside
+
+
 def config_digest(row: Row, options: list) -> str:
     """A fingerprint of the config the run trains, ``--cfg-options`` applied: a run recorded with
     another one (the config file or a base it inherits was edited since) is trained again."""
@@ -485,6 +499,7 @@ def main(argv=None):
         if run is not None:
             print(f'    finished before with the same config and settings: reusing {run_dir / RUN_RECORD}')
         else:
+            set_aside(run_dir)
             wall = train(row, options, run_dir)
             run = dict(row=name, seed=seed, options=options, config_digest=digest,
                        params=count_parameters(row, options), wall_s=wall, **read_run(run_dir))
