@@ -103,6 +103,10 @@ def test_an_unfinished_or_other_run_is_set_aside_not_mixed_into_the_new_one(tool
     assert tool.set_aside(run_dir) is None  # an empty folder stays
     (run_dir / '20260101_000000' / 'vis_data').mkdir(parents=True)
     (run_dir / '20260101_000000' / 'vis_data' / 'scalars.json').write_text('{"accuracy/top1": 50.0}\n')
+    from posattn_openmmlab.work_dir_lock import WorkDirInUseError, WorkDirLock
+    with WorkDirLock(str(run_dir)), pytest.raises(WorkDirInUseError, match='in use by another training'):
+        tool.set_aside(run_dir)  # a training still running there keeps its folder
+    assert run_dir.is_dir()
     aside = tool.set_aside(run_dir)
     assert not run_dir.exists() and aside.name.startswith('seed0.before-')
     assert (aside / '20260101_000000' / 'vis_data' / 'scalars.json').is_file()  # kept, not deleted

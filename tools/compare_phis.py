@@ -303,9 +303,13 @@ def read_run(work_dir: Path) -> dict:
 def set_aside(run_dir: Path) -> Optional[Path]:
     """Moves what ``run_dir`` holds from an earlier, unfinished or differently configured run to
     ``<run_dir>.before-<time>``, so that the new run's logs are read alone and nothing is deleted.
-    Returns where it went (None: nothing there)."""
+    Returns where it went (None: nothing there). A folder in which a training is still running is
+    left as it is: the work_dir lock's error names that training."""
     if not run_dir.exists() or not any(run_dir.iterdir()):
         return None
+    from posattn_openmmlab.work_dir_lock import WorkDirLock
+    with WorkDirLock(str(run_dir)):  # a training still running there: WorkDirInUseError, nothing moved
+        pass
     aside = run_dir.with_name(f'{run_dir.name}.before-{time.strftime("%Y%m%d-%H%M%S")}')
     run_dir.rename(aside)
     print(f'    {run_dir} held an unfinished or differently configured run: moved to {aside}', flush=True)
