@@ -197,10 +197,16 @@ def parsed_options(options: list) -> dict:
     return {key: DictAction._parse_iterable(value) for key, value in (option.split('=', 1) for option in options)}
 
 
-def count_parameters(row: Row, options: list) -> int:
-    from mmpretrain.registry import MODELS
+def row_config(row: Row, options: list) -> Config:
+    """The row's config with the run's ``--cfg-options`` applied, as tools/train.py reads them."""
     cfg = Config.fromfile(config_path(row.config))
     cfg.merge_from_dict(parsed_options(options))
+    return cfg
+
+
+def count_parameters(row: Row, options: list) -> int:
+    from mmpretrain.registry import MODELS
+    cfg = row_config(row, options)
     init_default_scope(cfg.default_scope)
     from posattn_openmmlab import posattn_checkpoint_loading
     with posattn_checkpoint_loading():  # a swap row starts from a checkpoint of our own training
@@ -255,9 +261,7 @@ def _test_tool():
 def test_sizes(row: Row, options: list) -> list:
     """The image sides the resolution experiment tests a row at: its config's test size times each of
     ``TEST_GRID_FACTORS``, which must give whole pixels."""
-    cfg = Config.fromfile(config_path(row.config))
-    cfg.merge_from_dict(parsed_options(options))
-    trained = _test_tool().config_test_size(cfg)
+    trained = _test_tool().config_test_size(row_config(row, options))
     if trained is None or trained[0] != trained[1]:
         raise ValueError(f'{row.config}: the resolution experiment needs a square test size in the config, got '
                          f'{trained}')
@@ -268,13 +272,14 @@ def test_sizes(row: Row, options: list) -> list:
     return [int(size) for size in sizes]
 
 
-def evaluate_at_sizes(row: Row, options: list, run_dir: Path, log) -> dict:
-    """Top-1 of the run's last checkpoint at each of ``test_sizes``, without fine-tuning: tools/test.py
-    ``--img-size`` in this process, its output to ``log``. Returns {side in pixels (str): top-1}; a
-    size measured before (its JSON under ``run_dir/resolution``) is read, not measured again."""
+def evaluate_at_sizes(row: Row, options: list, run_dir: Path, sizes: list, log) -> dict:
+    """Top-1 of the run's last checkpoint at each of ``sizes`` (``test_sizes``), without fine-tuning:
+    tools/test.py ``--img-size`` in this process, its output to ``log``. Returns {side in pixels
+    (str): top-1}; a size measured before (its JSON under ``run_dir/resolution``) is read, not
+    measured again."""
     tool, out_dir = _test_tool(), run_dir / 'resolution'
     top1 = {}
-    for size in test_sizes(row, options):
+    for size in sizes:
         out = out_dir / f'top1_at_{size}.json'
         if not out.is_file():
             argv = [str(config_path(row.config)), str(last_checkpoint(run_dir)), '--img-size', str(size),
@@ -511,10 +516,10 @@ def main(argv=None):
         if args.experiment in MEASURED_EXPERIMENTS and 'nonlocality' not in run:
             run['nonlocality'] = measure_nonlocality(row, options, run_dir)
             (run_dir / RUN_RECORD).write_text(json.dumps(run, indent=1))
-        if args.experiment == 'resolution' and list(run.get('top1_at_size', ())) != list(
-                map(str, test_sizes(row, options))):
+        sizes = test_sizes(row, options) if args.experiment == 'resolution' else []
+        if sizes and list(run.get('top1_at_size', ())) != list(map(str, sizes)):
             with open(work_dir / 'resolution.log', 'a') as log:
-                run['top1_at_size'] = evaluate_at_sizes(row, options, run_dir, log)
+                run['top1_at_size'] = evaluate_at_sizes(row, options, run_dir, sizes, log)
             (run_dir / RUN_RECORD).write_text(json.dumps(run, indent=1))
             print('    top-1 at ' + ', '.join(f'{size} px {top1:.1f}%' for size, top1 in run['top1_at_size'].items()),
                   flush=True)
