@@ -44,6 +44,13 @@ def ratio(a: float, b: float, unit: str) -> str:
     return f'{number(a / b)}x ({number(a)} / {number(b)} {unit})'
 
 
+def peaks(found: Sequence[Optional[Mapping[str, object]]]) -> Optional[str]:
+    """'a / b / c MiB' of the found rows' peak memory; None where a row or its peak is missing."""
+    if not all(found) or any(row['peak MiB'] is None for row in found):
+        return None
+    return ' / '.join(number(row['peak MiB']) for row in found) + ' MiB'
+
+
 def find(rows: Sequence[Mapping[str, object]], **match: object) -> Optional[Mapping[str, object]]:
     """The first row with every key of ``match`` equal to its value."""
     return next((row for row in rows if all(row.get(key) == value for key, value in match.items())), None)
@@ -81,11 +88,8 @@ def models_rows(batches: Sequence[int]) -> List[Row]:
 
     def peak(batch: int) -> Callable:
         def cell(results: Results) -> Optional[str]:
-            found = [find(results['rows'], task='train step', batch=batch, model=model)
-                     for model in ('PerViT-T', 'DeiT-T', 'PerViT-T, release MPA')]
-            if not all(found) or any(row['peak MiB'] is None for row in found):
-                return None
-            return ' / '.join(number(row['peak MiB']) for row in found) + ' MiB'
+            return peaks([find(results['rows'], task='train step', batch=batch, model=model)
+                          for model in ('PerViT-T', 'DeiT-T', 'PerViT-T, release MPA')])
         return cell
     rows = []
     for batch in batches:
@@ -137,11 +141,8 @@ def dense_rows(sizes: Sequence[str]) -> List[Row]:
 
     def peak(size: str) -> Callable:
         def cell(results: Results) -> Optional[str]:
-            found = [find(results['backbone'], size=size, **{'Φp': variant})
-                     for variant in ('peripheral', 'none', 'peripheral, with_cp')]
-            if not all(found) or any(row['peak MiB'] is None for row in found):
-                return None
-            return ' / '.join(number(row['peak MiB']) for row in found) + ' MiB'
+            return peaks([find(results['backbone'], size=size, **{'Φp': variant})
+                          for variant in ('peripheral', 'none', 'peripheral, with_cp')])
         return cell
     rows = []
     for size in sizes:
