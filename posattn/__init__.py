@@ -8,11 +8,11 @@ from ._cache import cache_positions
 from .attention import Attention
 from .grid import TokenGrid
 from .models import create_model, list_models, register_model, register_timm_models
-from .swap import swap_attention
+from .swap import parameters_added_by_swap, swap_attention
 from .phi import PositionalModule, build_phi, list_phis, register_phi
 
 __version__ = '0.1.0'
 
 __all__ = ['Attention', 'TokenGrid', 'PositionalModule', 'register_phi', 'build_phi', 'list_phis',
            'create_model', 'list_models', 'register_model', 'register_timm_models', 'swap_attention',
-           'cache_positions', 'functional', '__version__']
+           'parameters_added_by_swap', 'cache_positions', 'functional', '__version__']

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from typing import Any, Dict, List, Mapping, Optional
 
 import torch
@@ -29,7 +30,7 @@ from mmengine.model import BaseModule
 from mmengine.registry import MODELS
 from torch import nn
 
-from posattn.swap import swap_attention
+from posattn.swap import AddedParametersWarning, swap_attention
 
 __all__ = ['PosattnSwappedBackbone']
 
@@ -108,7 +109,9 @@ class PosattnSwappedBackbone(BaseModule):
             self.backbone.init_weights()
         if isinstance(self.backbone, BaseModule):
             self.backbone.is_init = True
-        swap_attention(self.backbone, phi, own_positions=own_positions, **dict(phi_cfg or {}))
+        with warnings.catch_warnings():  # mmengine builds the optimiser after the model: it holds the new Φp
+            warnings.simplefilter('ignore', AddedParametersWarning)
+            swap_attention(self.backbone, phi, own_positions=own_positions, **dict(phi_cfg or {}))
         self._source = checkpoints[0] if checkpoints else 'its pretrained weights'
         self._loaded_weights = _fingerprints(self) if loaded else None
 

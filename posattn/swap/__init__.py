@@ -2,7 +2,7 @@
 their weights.
 
     model = timm.create_model('deit_small_patch16_224', pretrained=True)
-    swap_attention(model, phi='peripheral')          # then fine-tune
+    swap_attention(model, phi='peripheral')          # then build the optimiser and fine-tune
 
 One family a module (``timm_vit``, ``torchvision_vit``, ...), each a small
 :class:`~posattn.swap.core.SwappedAttention` subclass called as the module it replaces (it supplies
@@ -13,10 +13,12 @@ what its model does around posattn's attention), and a function registered with
 import importlib
 import pkgutil
 
-from .core import AttentionSite, SwapPlan, SwappedAttention, register_family, swap_attention
+from .core import (AddedParametersWarning, AttentionSite, SwapPlan, SwappedAttention, parameters_added_by_swap,
+                   register_family, swap_attention)
 
 for _module in pkgutil.iter_modules(__path__):
     if _module.name != 'core':
         importlib.import_module(f'{__name__}.{_module.name}')
 
-__all__ = ['swap_attention', 'register_family', 'SwapPlan', 'AttentionSite', 'SwappedAttention']
+__all__ = ['swap_attention', 'parameters_added_by_swap', 'AddedParametersWarning', 'register_family', 'SwapPlan',
+           'AttentionSite', 'SwappedAttention']

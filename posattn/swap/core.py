@@ -13,7 +13,7 @@ import functools
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from ..phi import PositionalModule, build_layer_phi
 from .token_grids import GridTracker
 
 __all__ = ['AttentionSite', 'SwapPlan', 'SwappedAttention', 'GridTracker', 'register_family', 'swap_attention',
-           'described', 'imported', 'packs_self_attention']
+           'parameters_added_by_swap', 'AddedParametersWarning', 'described', 'imported', 'packs_self_attention']
 
 
 def described(obj: Any) -> str:
@@ -109,9 +109,13 @@ class SwappedAttention(Attention):
         out     = proj_drop(proj(before_projection(out, x)))     timm / EVA: sub-LN and gate
 
     A subclass overrides only the hooks where its model differs.
+
+    ``added_parameter_names``: the names (in this layer) of the parameters that the swap created,
+    which the model did not hold before it (a named Φp's); see :func:`parameters_added_by_swap`.
     """
     grid_tracker: Optional[GridTracker] = None
     own_positions: bool = True
+    added_parameter_names: Tuple[str, ...] = ()
 
     @classmethod
     def replacing(cls, old: nn.Module, phi: PositionalModule, site: AttentionSite) -> 'SwappedAttention':
@@ -255,6 +259,13 @@ def swap_attention(model: nn.Module, phi: str = 'peripheral', *, own_positions: 
     Returns:
         ``model``. Weights of ``model`` as it was before the swap still load into it, strictly:
         every Φp then keeps its initialisation, and one warning says so.
+
+    Fine-tuning: the carried-over weights are the same ``Parameter`` objects as before, so an
+    optimiser built before the swap still updates them, but the Φp's parameters are new, and
+    such an optimiser never trains them. Build the optimiser after the swap, or add them with
+    ``optimizer.add_param_group({'params': posattn.parameters_added_by_swap(model)})``. A swap
+    that adds trainable parameters says so in one :class:`AddedParametersWarning` (a Φp
+    without parameters, ``'none'`` or ``'own'`` adds none).
     """
     if any(isinstance(m, SwappedAttention) for m in model.modules()):
         raise ValueError(f'the attention of {described(model)} is already swapped; build the original '
@@ -265,6 +276,7 @@ def swap_attention(model: nn.Module, phi: str = 'peripheral', *, own_positions: 
     converting = phi == OWN
     if converting:
         _check_own(plans, phi_cfg)
+    held_before = {id(param) for param in model.parameters()}
     replacements = []  # all built before the model changes, so a bad option leaves it as it was
     for plan in plans:
         tracker = GridTracker() if plan.patch_projection is not None else None
@@ -282,6 +294,8 @@ def swap_attention(model: nn.Module, phi: str = 'peripheral', *, own_positions: 
             layer.grid_tracker, layer.own_positions = tracker, own_positions and not converting
             if converting:
                 _hand_own_parameters_to_phi(layer)
+            layer.added_parameter_names = tuple(name for name, param in layer.named_parameters()
+                                                if id(param) not in held_before)
             replacements.append((site, layer))
         if tracker is not None:
             replacements.append((plan, tracker))
@@ -293,7 +307,55 @@ def swap_attention(model: nn.Module, phi: str = 'peripheral', *, own_positions: 
     if not own_positions:
         _drop_own_positions(plans, relative=not converting)
     model.register_load_state_dict_post_hook(_fresh_phis_from_weights_without_them)
+    layers = [layer for _, layer in replacements if isinstance(layer, SwappedAttention)]
+    added = [param for param in _added_parameters(layers) if param.requires_grad]
+    if added:
+        warnings.warn(_added_parameters_message(model, phi, added, len(layers)), AddedParametersWarning,
+                      stacklevel=2)
     return model
+
+
+class AddedParametersWarning(UserWarning):
+    """:func:`swap_attention` added trainable parameters to a model: an optimiser built before the
+    swap does not hold them. Silenced where the optimiser is always built after the swap::
+
+        warnings.filterwarnings('ignore', category=posattn.swap.AddedParametersWarning)
+    """
+
+
+def parameters_added_by_swap(model: nn.Module) -> List[nn.Parameter]:
+    """The parameters that :func:`swap_attention` created in ``model`` (or in its submodules,
+    where they were swapped), each once, in module order: those of every named Φp, none of the
+    weights the swap carried over (q/k/v, projections, and with ``phi='own'`` the model's own
+    position tables and frequencies, which the Φp then holds).
+
+    An optimiser built before the swap holds every parameter of the model but these::
+
+        optimizer.add_param_group({'params': posattn.parameters_added_by_swap(model)})
+
+    An empty list for a model without a swapped attention. Found by name in each swapped layer,
+    so it holds for a copy of the model (``copy.deepcopy``) and after ``model.to(...)``.
+    """
+    return _added_parameters(module for module in model.modules() if isinstance(module, SwappedAttention))
+
+
+def _added_parameters(layers: Iterable[SwappedAttention]) -> List[nn.Parameter]:
+    added: Dict[int, nn.Parameter] = {}  # by id: a parameter shared among layers is listed once
+    for layer in layers:
+        for name in layer.added_parameter_names:
+            param = layer.get_parameter(name)
+            added.setdefault(id(param), param)
+    return list(added.values())
+
+
+def _added_parameters_message(model: nn.Module, phi: str, added: Sequence[nn.Parameter], num_layers: int) -> str:
+    values = sum(param.numel() for param in added)
+    parameters = 'parameter' if len(added) == 1 else 'parameters'
+    layers = 'attention layer' if num_layers == 1 else f'{num_layers} attention layers'
+    return (f'swap_attention added {len(added)} trainable {parameters} ({values:,} values) to {described(model)}: '
+            f"the '{phi}' Φp of its {layers}. An optimizer built after the swap holds them; one built before "
+            'holds the weights the swap carried over (the same parameters) but never trains these: add them with '
+            "optimizer.add_param_group({'params': posattn.parameters_added_by_swap(model)})")
 
 
 OWN = 'own'  # swap_attention's Φp name for the model's own positional scheme, converted
