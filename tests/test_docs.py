@@ -1,5 +1,4 @@
 """The code in the docs runs as written, and gives what the docs say it computes."""
-import copy
 import re
 import textwrap
 from pathlib import Path
@@ -9,7 +8,6 @@ import torch
 
 from posattn import TokenGrid
 from posattn.phi import registry
-from posattn.reference import peripheral_attention, peripheral_position_attention
 
 from conftest import needs_openmmlab
 
@@ -47,20 +45,6 @@ def test_position_cache_example():
     torch.testing.assert_close(namespace['logits'], uncached, rtol=1e-5, atol=1e-6)
     assert namespace['cache'].nbytes == 0 and all(
         phi.position_cache is None for phi in model.modules() if isinstance(phi, posattn.PositionalModule))
-
-
-def test_readme_quick_start():
-    """The layer's output is PerViT's peripheral attention (the release's formula, float64)."""
-    (example,) = python_blocks(DOCS.parent / 'README.md')
-    namespace = {}
-    exec(compile(example, 'README.md', 'exec'), namespace)
-    out, layer = namespace['out'], copy.deepcopy(namespace['layer']).double()
-    assert out.shape == (8, 281, 128)
-    with torch.no_grad():
-        phi = peripheral_position_attention(14, 20, layer.phi.weights())  # (4, 280, 280)
-        expected = peripheral_attention(namespace['x'].double(), layer.qkv.weight, layer.qkv.bias, layer.proj.weight,
-                                        layer.proj.bias, 4, phi, num_prefix_tokens=1)
-    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
 
 
 def test_quickstart_example_runs():
@@ -115,3 +99,25 @@ def test_swap_families_table(example, swapped, reason):
     assert len(got) == len(expected)
     for e, g in zip(expected, got):
         torch.testing.assert_close(g, e, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_export_example_serves_sizes_it_was_not_traced_at(tmp_path, monkeypatch):
+    """docs/export.md's block as written: the dynamic program gives the eager logits at 384 x 512."""
+    (example,) = re.findall(r'```py\n(.*?)```', (DOCS / 'export.md').read_text(), flags=re.S)
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(compile(example, 'docs/export.md', 'exec'), namespace)
+    assert (tmp_path / 'pervit_tiny.pt2').is_file()
+    images = torch.randn(1, 3, 384, 512, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = namespace['model'](images)
+        got = namespace['exported'].module()(images)
+    assert got.shape == (1, 1000)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize('page', ['phi.md', 'models.md', 'swap.md', 'export.md'])
+def test_links_between_pages_resolve(page):
+    links = re.findall(r'\]\(([\w-]+\.md)\)', (DOCS / page).read_text())
+    assert [link for link in links if not (DOCS / link).is_file()] == []
