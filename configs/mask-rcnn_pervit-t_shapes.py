@@ -1,7 +1,7 @@
 # Mask R-CNN with a PerViT-T backbone, trained from scratch on the embedded shapes set: 128 x 192
 # images of 2-5 circles, squares and triangles with boxes and masks, written to data/shapes_dense
 # on first use (integrations/openmmlab/dense_shapes_dataset.py). Evaluated with mmdet's CocoMetric.
-# Minutes on 2 CPU cores (docs/openmmlab.md); the model is the one of mask-rcnn_pervit-t_fpn_1x_coco.py.
+# Minutes on 2 CPU cores (docs/detection-segmentation.md); the model is the one of mask-rcnn_pervit-t_fpn_1x_coco.py.
 _base_ = ['./_base_/mask_rcnn_pervit.py', 'mmdet::_base_/default_runtime.py']
 
 data_root = 'data/shapes_dense/'

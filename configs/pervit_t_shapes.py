@@ -1,5 +1,5 @@
 # The embedded default: PerViT-T on PositionalShapes (configs/_base_/shapes.py), 10 epochs (its time
-# on 2 CPU cores: docs/openmmlab.md). At 64 x 64 the token grid is 4 x 4.
+# on 2 CPU cores: docs/performance.md, "Setup times"). At 64 x 64 the token grid is 4 x 4.
 _base_ = ['./_base_/classifier.py', './_base_/shapes.py']
 
 model = dict(

@@ -1,7 +1,7 @@
 # UPerNet with a PerViT-T backbone, trained from scratch on the embedded shapes set: 128 x 192
 # images of 2-5 circles, squares and triangles with per-pixel labels (0 background, 1-3 shapes),
 # written to data/shapes_dense on first use (integrations/openmmlab/dense_shapes_dataset.py) and shared with
-# mask-rcnn_pervit-t_shapes.py. Evaluated with mmseg's IoUMetric. Minutes on 2 CPU cores (docs/openmmlab.md);
+# mask-rcnn_pervit-t_shapes.py. Evaluated with mmseg's IoUMetric. Minutes on 2 CPU cores (docs/detection-segmentation.md);
 # the model is the one of upernet_pervit-t_512x512_160k_ade20k.py with narrower heads.
 _base_ = ['./_base_/upernet_pervit.py', 'mmseg::_base_/default_runtime.py']
 

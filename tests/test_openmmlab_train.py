@@ -97,7 +97,8 @@ def test_training_lowers_the_loss_and_writes_checkpoints(trained):
     assert all((work_dir / f'epoch_{e}.pth').is_file() for e in range(1, EPOCHS + 1))
     assert f'Finished {EPOCHS} epochs ({EPOCHS} iterations). Last validation: accuracy/top1:' in output
     assert f'Last checkpoint: {work_dir / f"epoch_{EPOCHS}.pth"}' in output
-    assert f'python tools/analyze.py {CONFIG} ' in output  # the main job points to the analysis
+    # the main job points to the analysis, with the config the training saved (its --cfg-options applied)
+    assert f'python tools/analyze.py {work_dir / Path(CONFIG).name} ' in output
     assert f'Training curve: {work_dir / "training_curve.png"}' in output
     assert (work_dir / 'training_curve.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 

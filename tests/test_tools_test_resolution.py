@@ -189,21 +189,71 @@ def test_the_embedded_set_is_generated_at_that_size():
     assert dataset.get_data_info(0)['img'].shape == (96, 96, 3)
 
 
+def with_test_pipeline(*sizing):
+    """The ImageNet DeiT-T config with a test pipeline of ``sizing`` transforms between loading and packing."""
+    cfg = config('deit_t_none_imagenet.py')
+    cfg.test_dataloader.dataset.pipeline = [dict(type='LoadImageFromFile'), *sizing, dict(type='PackInputs')]
+    return cfg
+
+
+def run_transforms(pipeline, image):
+    """The transforms of ``pipeline`` between loading and packing, built by mmpretrain, on ``image``."""
+    results = dict(img=image, img_shape=image.shape[:2], ori_shape=image.shape[:2])
+    for transform in pipeline[1:-1]:
+        results = TRANSFORMS.build(transform)(results)
+    return results['img']
+
+
+# (a test pipeline's one sizing transform, the (height, width) it gives); mmcv's Resize states (width,
+# height), mmpretrain's RandomResizedCrop (height, width)
+FIXED_SIZES = [(dict(type='Resize', scale=224), (224, 224)), (dict(type='Resize', scale=(48, 32)), (32, 48)),
+               (dict(type='RandomResizedCrop', scale=(48, 32), backend='pillow'), (48, 32))]
+
+
+@pytest.mark.parametrize('transform, size', FIXED_SIZES)
+def test_a_pipeline_sized_by_one_resize_or_random_resized_crop_is_rewritten_to_that_size(transform, size):
+    """The test size read from the pipeline, and the rewrite to 96 x 128 and to 64 x 64, are the sizes
+    mmpretrain's transforms give a 375 x 500 image."""
+    cfg = with_test_pipeline(transform)
+    image = np.random.default_rng(0).integers(0, 256, size=(375, 500, 3), dtype=np.uint8)
+    assert tool.config_test_size(cfg) == size == run_transforms(cfg.test_dataloader.dataset.pipeline, image).shape[:2]
+    for asked in ((96, 128), (64, 64)):
+        rewritten = with_test_pipeline(transform)
+        change = tool.set_test_size(rewritten, asked)
+        assert change == (f"the test pipeline's {transform['type']} to {asked[0]} x {asked[1]} (the config's: "
+                          f"{size[0]} x {size[1]})")
+        pipeline = rewritten.test_dataloader.dataset.pipeline
+        assert tool.config_test_size(rewritten) == asked == run_transforms(pipeline, image).shape[:2]
+        assert {k: v for k, v in pipeline[1].items() if k != 'scale'} == \
+            {k: v for k, v in transform.items() if k != 'scale'}  # its other settings as they were
+
+
 def test_what_cannot_be_rewritten_is_an_error_naming_the_keys_to_set():
     with pytest.raises(ValueError, match=r'PositionalShapes draws square images: give one side, --img-size 96; '
                                          r'got 96 x 128'):
         tool.set_test_size(config('deit_t_none_shapes.py'), (96, 128))
-    cfg = config('deit_t_none_imagenet.py')
-    cfg.test_dataloader.dataset.pipeline = [dict(type='LoadImageFromFile'), dict(type='Resize', scale=224),
-                                            dict(type='PackInputs')]
+    cfg = with_test_pipeline(dict(type='Resize', scale=224, keep_ratio=True))  # images of several sizes
     with pytest.raises(ValueError) as refusal:
         tool.set_test_size(cfg, (384, 384))
     assert str(refusal.value) == (
         "--img-size cannot rewrite this config's test data, a CheckedImageNet whose pipeline is [LoadImageFromFile, "
-        "Resize, PackInputs]: it rewrites PositionalShapes (img_size) and test pipelines that resize the short edge "
-        "(ResizeEdge) and crop the centre (CenterCrop). Set the size by hand: --cfg-options "
+        "Resize, PackInputs]: it rewrites PositionalShapes (img_size), test pipelines that resize the short edge "
+        "(ResizeEdge) and crop the centre (CenterCrop), and those whose one sizing transform is a Resize without "
+        "keep_ratio or a RandomResizedCrop. Set the size by hand: --cfg-options "
         "test_dataloader.dataset.pipeline.1.scale=...")
     assert tool.config_test_size(cfg) is None
+
+
+def test_the_size_recorded_is_the_one_every_tested_image_had():
+    """What --out records as img_size: the (height, width) of the images the loader gave, None where
+    they differ."""
+    tested = tool.TestedImageSizes()
+    assert tested.size() is None  # nothing tested
+    tested.after_test_iter(None, 0, dict(inputs=[torch.zeros(3, 32, 48, dtype=torch.uint8)] * 2))
+    tested.after_test_iter(None, 1, dict(inputs=[torch.zeros(3, 32, 48, dtype=torch.uint8)]))
+    assert tested.size() == (32, 48)
+    tested.after_test_iter(None, 2, dict(inputs=[torch.zeros(3, 48, 48, dtype=torch.uint8)]))
+    assert tested.size() is None
 
 
 @pytest.mark.parametrize('name', ['mask-rcnn_pervit-t_shapes.py', 'upernet_pervit-t_shapes.py'])

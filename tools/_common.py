@@ -1,22 +1,29 @@
-"""What the tools share: the config handling common to tools/train.py and tools/test.py, the runner
-they build (``PosattnRunner``), and the scalars mmengine logs in a work dir."""
+"""What the tools share: the config handling common to tools/train.py, tools/test.py and
+tools/analyze.py (``--cfg-options`` with the config's linked settings), the runner they build
+(``PosattnRunner``, with the classes checked against the data), and the scalars mmengine logs in a
+work dir."""
 import argparse
 import json
 import os
 import os.path as osp
 from pathlib import Path
-from typing import List
+from typing import Any, List, Mapping, Optional
 
 import torch
 from mmengine.config import Config, DictAction
 from mmengine.registry import RUNNERS
 
 import posattn_openmmlab  # noqa: F401  (the registrations)
+from posattn_openmmlab.class_checks import ClassCountCheck
 from posattn_openmmlab.runner import PosattnRunner
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Keys of a logged validation row that are not metrics: its timing, and where it was logged
 LOGGED_NON_METRICS = ('data_time', 'time', 'step')
+# A config's {top-level setting: [the keys that use its value]}: mmengine substitutes
+# ``{{_base_.num_classes}}`` once, when it parses a config, so a setting given with --cfg-options
+# alone would leave the keys that use it as they were.
+LINKED_KEYS = 'linked_keys'
 
 
 def add_runner_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,8 +56,7 @@ def load_config(args) -> Config:
     ``torch.cuda.set_device`` first, which fails without a GPU, and skips that when a group exists.
     """
     cfg = Config.fromfile(args.config)
-    if args.cfg_options:
-        cfg.merge_from_dict(args.cfg_options)
+    merge_options(cfg, args.cfg_options)
     cfg.launcher = args.launcher
     if args.partial_load:
         cfg.partial_load = True
@@ -64,17 +70,76 @@ def load_config(args) -> Config:
     return cfg
 
 
+def config_value(cfg: Config, key: str) -> Any:
+    """The value at a dotted ``--cfg-options`` key, list indices included
+    (``'train_dataloader.dataset.pipeline.1.scale'``); a KeyError names the part that is missing."""
+    value = cfg
+    for part in key.split('.'):
+        if isinstance(value, (list, tuple)) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        elif isinstance(value, (Mapping, Config)) and part in value:
+            value = value[part]
+        else:
+            raise KeyError(f'{key}: the config has no {part!r} there')
+    return value
+
+
+def merge_options(cfg: Config, options: Optional[Mapping[str, Any]]) -> None:
+    """Applies ``--cfg-options`` to ``cfg``, then sets the keys that use a top-level setting given
+    there, as the config's ``linked_keys`` lists them: ``num_classes=5`` sets
+    ``model.head.num_classes`` and ``data_preprocessor.num_classes`` too. Then checks that every
+    linked key holds its setting's value (:func:`linked_key_problems`); a ValueError names those
+    that do not, and the setting to give instead."""
+    options = dict(options or {})
+    cfg.merge_from_dict(options)
+    linked = cfg.get(LINKED_KEYS) or {}
+    for setting in [key for key in options if key in linked]:
+        cfg.merge_from_dict({key: cfg[setting] for key in linked[setting]})
+    problems = linked_key_problems(cfg)
+    if problems:
+        raise ValueError(f'{cfg.filename}: keys that take their value from a top-level setting ({LINKED_KEYS}) '
+                         f'disagree with it:\n  ' + '\n  '.join(problems))
+
+
+def linked_key_problems(cfg: Config) -> List[str]:
+    """Each key of the config's ``linked_keys`` that is missing or differs from its setting, with the fix."""
+    problems = []
+    for setting, keys in (cfg.get(LINKED_KEYS) or {}).items():
+        if setting not in cfg:
+            problems.append(f'{setting} is not set, and {LINKED_KEYS} lists the keys that use it: set it')
+            continue
+        for key in keys:
+            try:
+                value = config_value(cfg, key)
+            except KeyError as error:
+                problems.append(f'{error.args[0]}; {LINKED_KEYS}[{setting!r}] lists it: remove it there')
+                continue
+            if value != cfg[setting]:
+                problems.append(f'{key} is {value!r}, but {setting} is {cfg[setting]!r}: change {setting}, which '
+                                f'sets {key} too (--cfg-options {setting}={value!r})')
+    return problems
+
+
 def build_runner(cfg: Config) -> PosattnRunner:
     """The config's ``runner_type`` (``PosattnRunner`` when it names none), which must be
     ``PosattnRunner`` or derive from it: the tools rely on its strict, weights-only loading, atomic
-    saves, exact resume and work_dir lock."""
+    saves, exact resume and work_dir lock. With :class:`~posattn_openmmlab.class_checks.ClassCountCheck`
+    registered: a classifier with fewer outputs than its data has classes, or (a config whose
+    ``linked_keys`` set ``num_classes``) with another number, stops before its first training step
+    or test batch."""
     name = cfg.get('runner_type', 'PosattnRunner')
     runner_cls = RUNNERS.get(name)
     if not (isinstance(runner_cls, type) and issubclass(runner_cls, PosattnRunner)):
         raise ValueError(f"runner_type={name!r} in the config is not a PosattnRunner (posattn_openmmlab."
                          f"runner), which tools/train.py and tools/test.py need: use runner_type='PosattnRunner' "
                          f"or a subclass of it")
-    return runner_cls.from_cfg(cfg)
+    runner = runner_cls.from_cfg(cfg)
+    if 'num_classes' in (cfg.get(LINKED_KEYS) or {}):  # the number of class folders: exactly
+        runner.register_hook(ClassCountCheck('num_classes={n}', exact=True))
+    else:  # perhaps a subset of a larger label set
+        runner.register_hook(ClassCountCheck('model.head.num_classes={n} data_preprocessor.num_classes={n}',
+                                             exact=False))
+    return runner
 
 
 def logged_scalars(work_dir) -> List[dict]:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from _common import merge_options
 from mmengine.config import Config, DictAction
 from mmengine.registry import init_default_scope
 from mmengine.runner import Runner
@@ -122,8 +123,10 @@ def write_figures(out: Path, images, maps, measures, query, fmt: str, dpi: int, 
 def main(argv=None):
     args = parse_args(argv)
     cfg = Config.fromfile(args.config)
-    if args.cfg_options:
-        cfg.merge_from_dict(args.cfg_options)
+    try:
+        merge_options(cfg, args.cfg_options)
+    except ValueError as error:  # --cfg-options that disagree with the config's linked keys
+        raise SystemExit(f'tools/analyze.py {args.config}: {error}') from None
     init_default_scope(cfg.get('default_scope', 'mmpretrain'))
     out = Path(args.out or Path(cfg.get('work_dir') or Path('work_dirs') / Path(args.config).stem) / 'analysis')
     out.mkdir(parents=True, exist_ok=True)

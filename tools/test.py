@@ -19,10 +19,16 @@ ViT); relative Φp and PerViT's are computed for the grid they see. The test dat
 * a test pipeline that resizes the short edge and crops the centre (``ResizeEdge``, then
   ``CenterCrop``: DeiT's and CPVT's evaluation) crops N and resizes the short edge to N times the
   config's ratio of the two, floored, bicubic: 256 / 224 in every ImageNet config here, so 384
-  gives 438 -> 384, as DeiT and CPVT evaluate at 384.
+  gives 438 -> 384, as DeiT and CPVT evaluate at 384;
+* a test pipeline whose one sizing transform gives images of a fixed size (``Resize`` to a
+  ``scale`` without ``keep_ratio``, ``RandomResizedCrop``) gives them at N x N instead.
 
 Any other test data, and detectors and segmentors, are an error naming the ``--cfg-options`` keys
 that size the images, to set by hand.
+
+The size printed with the metrics and written to ``--out`` (``img_size``) is that of the images the
+model was tested on, however it was set (``--img-size``, the config, ``--cfg-options``): null where
+they were not all of one size.
 
 The runner is built without the config's training parts, so it takes no work_dir lock and writes
 only its own log folder (config dump included): it can evaluate a checkpoint of a training that
@@ -35,9 +41,12 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 from _common import add_runner_arguments, build_runner, load_config, parse_runner_arguments
 from mmengine.config import Config
-from mmengine.dist import is_main_process
+from mmengine.dist import all_gather_object, is_main_process
+from mmengine.hooks import Hook
 from mmpretrain.models import BaseClassifier
 from mmpretrain.registry import MODELS
+
+from posattn_openmmlab.class_checks import ClassCountMismatch
 
 # Config keys that size a dataset's images, in the dataset and in its pipeline's transforms
 SIZE_KEYS = ('img_size', 'scale', 'crop_size', 'size')
@@ -47,8 +56,12 @@ IMG_SIZE_HELP = (
     "learned position embedding keeps its trained grid and is resampled to the new one in the forward pass); "
     "the test data are rewritten: PositionalShapes is generated at N x N (the same scenes, shapes scaled "
     "with the image); a test pipeline with ResizeEdge then CenterCrop crops N and resizes the short edge to N "
-    "times the config's resize / crop ratio (256 / 224: 384 gives 438 -> 384), bicubic. Other test data, "
+    "times the config's resize / crop ratio (256 / 224: 384 gives 438 -> 384), bicubic; one whose only sizing "
+    "transform is a Resize without keep_ratio or a RandomResizedCrop resizes to N x N. Other test data, "
     "detectors and segmentors: an error naming the --cfg-options to set by hand")
+# Transforms that give images of one size, by type: (the key of that size, whether a pair in it is
+# (height, width); mmcv's Resize takes (width, height), mmpretrain's RandomResizedCrop (height, width))
+FIXED_SIZE_TRANSFORMS = {'Resize': ('scale', False), 'RandomResizedCrop': ('scale', True)}
 
 Size = Tuple[int, int]  # (height, width) in pixels
 
@@ -106,27 +119,76 @@ def resize_crop_indices(pipeline: Sequence[Mapping[str, Any]]) -> Optional[Tuple
     return resize, crop
 
 
+def fixed_size_index(pipeline: Sequence[Mapping[str, Any]]) -> Optional[int]:
+    """The index of ``pipeline``'s one transform that sizes its images, where that transform gives
+    them all one size (:data:`FIXED_SIZE_TRANSFORMS`: a ``Resize`` to a ``scale`` without
+    ``keep_ratio``, a ``RandomResizedCrop``); None for any other pipeline."""
+    sizing = [i for i, transform in enumerate(pipeline) if any(key in transform for key in SIZE_KEYS)]
+    if len(sizing) != 1:
+        return None
+    transform = pipeline[sizing[0]]
+    kind = _transform_type(transform)
+    if kind not in FIXED_SIZE_TRANSFORMS or FIXED_SIZE_TRANSFORMS[kind][0] not in transform:
+        return None
+    if kind == 'Resize' and transform.get('keep_ratio'):
+        return None
+    return sizing[0]
+
+
+def _as_hw(value: Any, height_first: bool) -> Size:
+    """A transform's size (a side, or a pair in its order) as (height, width)."""
+    if isinstance(value, int):
+        return (value, value)
+    return (value[0], value[1]) if height_first else (value[1], value[0])
+
+
+def _from_hw(size: Size, height_first: bool) -> Any:
+    """(height, width) as a transform states it: a side where square, else a pair in its order."""
+    height, width = size
+    if height == width:
+        return height
+    return (height, width) if height_first else (width, height)
+
+
 def _crop_hw(crop_size: Any) -> Size:
     """mmcv's ``crop_size`` (a side, or (width, height)) as (height, width)."""
-    return (crop_size, crop_size) if isinstance(crop_size, int) else (crop_size[1], crop_size[0])
+    return _as_hw(crop_size, height_first=False)
 
 
 def resized_pipeline(pipeline: Sequence[Mapping[str, Any]], size: Size) -> List[dict]:
-    """A copy of an evaluation pipeline that resizes the short edge and crops the centre
-    (:func:`resize_crop_indices`), giving ``size`` (height, width) images: the crop is ``size``, the
-    short edge floor(max(size) x the pipeline's resize / crop ratio), bicubic; the other
-    transforms as they are. 256 / 224 (DeiT's crop ratio 0.875) with 384 gives 438 -> 384."""
+    """A copy of an evaluation pipeline that gives ``size`` (height, width) images, the other
+    transforms as they are. One that resizes the short edge and crops the centre
+    (:func:`resize_crop_indices`): the crop is ``size``, the short edge floor(max(size) x the
+    pipeline's resize / crop ratio), bicubic; 256 / 224 (DeiT's crop ratio 0.875) with 384 gives
+    438 -> 384. One whose sizing transform gives a fixed size (:func:`fixed_size_index`): that
+    transform gives ``size``."""
+    pipeline = copy.deepcopy([dict(transform) for transform in pipeline])
+    fixed = fixed_size_index(pipeline)
+    if fixed is not None:
+        key, height_first = FIXED_SIZE_TRANSFORMS[_transform_type(pipeline[fixed])]
+        pipeline[fixed][key] = _from_hw(size, height_first)
+        return pipeline
     indices = resize_crop_indices(pipeline)
     if indices is None:
-        raise ValueError('the pipeline does not resize the short edge (ResizeEdge) and then crop the centre '
-                         '(CenterCrop) alone')
+        raise ValueError('the pipeline neither resizes the short edge (ResizeEdge) and then crops the centre '
+                         '(CenterCrop) alone, nor sizes its images with one Resize (without keep_ratio) or '
+                         'RandomResizedCrop')
     resize, crop = indices
-    pipeline = copy.deepcopy([dict(transform) for transform in pipeline])
     short_edge, longest_crop = pipeline[resize]['scale'], max(_crop_hw(pipeline[crop]['crop_size']))
     pipeline[resize].update(scale=max(size) * short_edge // longest_crop, interpolation='bicubic')
-    height, width = size
-    pipeline[crop]['crop_size'] = height if height == width else (width, height)
+    pipeline[crop]['crop_size'] = _from_hw(size, height_first=False)
     return pipeline
+
+
+def pipeline_size(pipeline: Sequence[Mapping[str, Any]]) -> Optional[Size]:
+    """(height, width) of the images a pipeline gives, where :func:`resized_pipeline` can rewrite it;
+    None otherwise."""
+    fixed = fixed_size_index(pipeline)
+    if fixed is not None:
+        key, height_first = FIXED_SIZE_TRANSFORMS[_transform_type(pipeline[fixed])]
+        return _as_hw(pipeline[fixed][key], height_first)
+    indices = resize_crop_indices(pipeline)
+    return None if indices is None else _crop_hw(pipeline[indices[1]]['crop_size'])
 
 
 def config_test_size(cfg: Config) -> Optional[Size]:
@@ -135,8 +197,7 @@ def config_test_size(cfg: Config) -> Optional[Size]:
     dataset = cfg.test_dataloader.dataset
     if _transform_type(dataset) == 'PositionalShapes':
         return (dataset.img_size,) * 2 if 'img_size' in dataset else None  # None: the dataset's default
-    indices = resize_crop_indices(dataset.get('pipeline') or ())
-    return None if indices is None else _crop_hw(dataset.pipeline[indices[1]].crop_size)
+    return pipeline_size(dataset.get('pipeline') or ())
 
 
 def _by_hand(dataset: Mapping[str, Any]) -> str:
@@ -168,13 +229,17 @@ def set_test_size(cfg: Config, size: Size) -> str:
         return (f'the PositionalShapes test split generated at {_in_words(size)} pixels (the config\'s: {before}), '
                 f'the same scenes')
     pipeline = dataset.get('pipeline') or ()
-    indices = resize_crop_indices(pipeline)
-    if indices is None:
+    fixed, indices = fixed_size_index(pipeline), resize_crop_indices(pipeline)
+    if fixed is None and indices is None:
         raise ValueError(f'--img-size cannot rewrite this config\'s test data, a {dataset.get("type")} whose '
                          f'pipeline is [{", ".join(_transform_type(t) for t in pipeline)}]: it rewrites '
-                         f'PositionalShapes (img_size) and test pipelines that resize the short edge (ResizeEdge) '
-                         f'and crop the centre (CenterCrop). Set the size by hand: {_by_hand(dataset)}')
+                         f'PositionalShapes (img_size), test pipelines that resize the short edge (ResizeEdge) '
+                         f'and crop the centre (CenterCrop), and those whose one sizing transform is a Resize '
+                         f'without keep_ratio or a RandomResizedCrop. Set the size by hand: {_by_hand(dataset)}')
     dataset.pipeline = resized_pipeline(pipeline, size)
+    if fixed is not None:
+        return (f'the test pipeline\'s {_transform_type(pipeline[fixed])} to {_in_words(size)} (the config\'s: '
+                f'{before})')
     resize = indices[0]
     return (f'the test pipeline\'s ResizeEdge to a short edge of {dataset.pipeline[resize].scale} (the config\'s: '
             f'{pipeline[resize].scale}), bicubic, and its CenterCrop to {_in_words(size)} (the config\'s: {before})')
@@ -195,21 +260,45 @@ def build_config(args) -> Config:
     return cfg
 
 
+class TestedImageSizes(Hook):
+    """The (height, width) of every image tested, on every process, as the data loader gives them
+    (before the data preprocessor, which may pad a batch)."""
+
+    def __init__(self):
+        self.sizes = set()
+
+    def after_test_iter(self, runner, batch_idx, data_batch=None, outputs=None):
+        self.sizes.update(tuple(image.shape[-2:]) for image in (data_batch or {}).get('inputs', ()))
+
+    def size(self) -> Optional[Size]:
+        """The one size every process's images had; None where they differ (or none was seen)."""
+        sizes = set().union(*all_gather_object(sorted(self.sizes)))
+        return tuple(int(side) for side in sizes.pop()) if len(sizes) == 1 else None
+
+
 def main(argv=None):
     args = parse_args(argv)
-    cfg = build_config(args)
+    try:
+        cfg = build_config(args)
+    except ValueError as error:
+        raise SystemExit(f'tools/test.py {args.config}: {error}') from None
     config_size, change = config_test_size(cfg), None
     if args.img_size is not None:
         try:
             change = set_test_size(cfg, args.img_size)
         except ValueError as error:
             raise SystemExit(f'tools/test.py {args.config}: {error}') from None
-    size = config_test_size(cfg)
     runner = build_runner(cfg)
     if change:
         runner.logger.info(f'--img-size {args.img_size[0]} {args.img_size[1]}: {change}; the model as the config '
                            f'builds it, without fine-tuning')
-    metrics = runner.test()
+    tested = TestedImageSizes()
+    runner.register_hook(tested, priority='LOWEST')
+    try:
+        metrics = runner.test()
+    except ClassCountMismatch as error:
+        raise SystemExit(f'tools/test.py {args.config}: {error}') from None
+    size = tested.size()
     if is_main_process():
         where = '' if size is None else f' at {_in_words(size)} pixels'
         if change:

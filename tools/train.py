@@ -33,6 +33,7 @@ from mmengine.dist import is_main_process
 from mmengine.hooks import Hook, LoggerHook
 
 from posattn.analysis import plot_training_curve
+from posattn_openmmlab.class_checks import ClassCountMismatch
 from posattn_openmmlab.runner import ResumePoint, find_resumable_checkpoint
 
 # Config keys that say how a run is launched or started, not what it trains: a training resumed,
@@ -261,6 +262,13 @@ def continue_previous_training(cfg: Config, found: Optional[ResumePoint] = None)
     return False
 
 
+def trained_config(args, work_dir: str) -> str:
+    """The config to analyse or test the training with: the one given, or with --cfg-options the
+    config the runner saved in the work_dir, which holds them."""
+    saved = Path(work_dir) / Path(args.config).name
+    return str(saved) if args.cfg_options and saved.is_file() else args.config
+
+
 class LastMetrics(Hook):
     """Keeps the metrics of the latest validation, for the closing summary."""
 
@@ -273,7 +281,10 @@ class LastMetrics(Hook):
 
 def main(argv=None):
     args = parse_args(argv)
-    cfg = build_config(args)
+    try:
+        cfg = build_config(args)
+    except ValueError as error:  # --cfg-options that disagree with the config's linked keys
+        raise SystemExit(f'tools/train.py {args.config}: {error}') from None
     found = find_resumable_checkpoint(cfg.work_dir, checkpoint_templates(cfg)) if args.resume is None else None
     if found is not None and not continue_previous_training(cfg, found):
         return
@@ -282,7 +293,10 @@ def main(argv=None):
         runner.resume_from(found)
     last_metrics = LastMetrics()
     runner.register_hook(last_metrics, priority='LOWEST')
-    runner.train()
+    try:
+        runner.train()
+    except ClassCountMismatch as error:  # before the first step
+        raise SystemExit(f'tools/train.py {args.config}: {error}') from None
     if is_main_process():
         hub = runner.message_hub
         results = ', '.join(f'{k}: {v:.4g}' for k, v in last_metrics.metrics.items()) or 'no validation run'
@@ -295,7 +309,8 @@ def main(argv=None):
         checkpoint = hub.get_info('best_ckpt') or hub.get_info('last_ckpt')
         if checkpoint is not None and runner.cfg.get('default_scope') == 'mmpretrain':  # classifiers only
             print(f'What the attention learned (Φp maps, nonlocality, impact; docs/analysis.md):\n'
-                  f'  python tools/analyze.py {args.config} {checkpoint} --out {runner.work_dir}/analysis')
+                  f'  python tools/analyze.py {trained_config(args, runner.work_dir)} {checkpoint} '
+                  f'--out {runner.work_dir}/analysis')
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()  # the other ranks wait for rank 0's summary, then all leave together
         torch.distributed.destroy_process_group()

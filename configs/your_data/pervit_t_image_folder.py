@@ -1,0 +1,18 @@
+# PerViT-T on your own images (configs/_base_/image_folder.py: data_root, num_classes and img_size
+# are set there, or with --cfg-options data_root=... num_classes=... img_size=...). Trained from
+# scratch with the DeiT / PerViT recipe (AdamW, warmup, cosine decay, Mixup, CutMix, label
+# smoothing) for 100 epochs, lr 5e-4 x batch / 512 (DeiT's rule). See docs/your-data.md.
+_base_ = [
+    '../_base_/pervit_classifier.py',
+    '../_base_/image_folder.py',
+    '../_base_/schedule_deit_adamw.py',
+    '../_base_/default_runtime.py',
+]
+phi = 'peripheral'  # PerViT's Φp: 'peripheral', or 'none' for plain attention (--cfg-options phi=none)
+model = dict(backbone=dict(phi=phi), head=dict(num_classes={{_base_.num_classes}}))
+optim_wrapper = dict(optimizer=dict(lr=5e-4 * 64 / 512))
+auto_scale_lr = dict(base_batch_size=64)  # tools/train.py --auto-scale-lr: the lr for another batch
+train_cfg = dict(max_epochs=100)  # the cosine decay ends there; warmup_epochs=... sets the warmup
+default_hooks = dict(checkpoint=dict(save_best='accuracy/top1', rule='greater'))
+# the keys that --cfg-options phi=... and warmup_epochs=... set (with the data's, _base_/image_folder.py)
+linked_keys = dict(phi=['model.backbone.phi'], warmup_epochs=['param_scheduler.0.end', 'param_scheduler.1.begin'])
