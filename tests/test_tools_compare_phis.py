@@ -1,6 +1,7 @@
-"""tools/compare_phis.py: its experiments' plans and options, and, with a reduced budget, runs that
-train through tools/train.py and the table, JSON and plot that come from their logs."""
-import importlib
+"""tools/compare_phis.py, with tools/_study.py and tools/_step_timing.py: its study files (the built-in
+ones and a user's), the data a study is given, the figures' labels and the step timing read from the
+configs, and, with a reduced budget, runs that train through tools/train.py and the table, JSON and
+plot that come from their logs."""
 import json
 import subprocess
 import sys
@@ -12,43 +13,162 @@ from conftest import require_openmmlab
 
 require_openmmlab()  # every test imports or runs tools/compare_phis.py
 
+# tools/ is on the import path (conftest.py), as it is for the tool when it runs as a script
+import compare_phis as tool  # noqa: E402
+from _step_timing import step_timing_note, time_training_steps, training_step  # noqa: E402
+from _study import (DATA_KEYS, STUDIES, Row, builtin_studies, load_data, load_study, planned_rows,  # noqa: E402
+                    row_config, with_options)
+
 ROOT = Path(__file__).resolve().parents[1]
 
+# The rows each experiment had as a dictionary in the tool, before they became configs/studies/:
+# (name, config, label, start_from), and the work dir, whether runs are analysed and the test sizes.
+OLD_EXPERIMENTS = {
+    'table2': ([
+        ('deit_t_none', 'deit_t_none_shapes.py', 'DeiT-T (abs. embedding)', None),
+        ('deit_t_peg', 'deit_t_peg_shapes.py', 'DeiT-T + CPVT (PEG)', None),
+        ('deit_t_irpe', 'deit_t_irpe_shapes.py', 'DeiT-T + iRPE-K', None),
+        ('deit_t_peripheral', 'deit_t_peripheral_shapes.py', 'DeiT-T + PPE (peripheral)', None),
+        ('pervit_t', 'pervit_t_shapes.py', 'PerViT-T', None),
+    ], 'work_dirs/compare_phis', False, ()),
+    'schemes': ([
+        ('deit_t_none', 'deit_t_none_shapes.py', 'DeiT-T (abs. embedding)', None),
+        ('deit_t_rope', 'deit_t_rope_shapes.py', 'DeiT-T + RoPE-Mixed (rope)', None),
+        ('deit_t_rpb', 'deit_t_rpb_shapes.py', 'DeiT-T + bias table (rpb)', None),
+        ('deit_t_alibi', 'deit_t_alibi_shapes.py', 'DeiT-T + 2D ALiBi (alibi)', None),
+        ('deit_t_gpsa', 'deit_t_gpsa_shapes.py', 'DeiT-T + GPSA (gpsa)', None),
+        ('convit_t', 'convit_t_shapes.py', 'ConViT-T-like (gpsa in blocks 0-9)', None),
+    ], 'work_dirs/compare_phis/schemes', False, ()),
+    'swap': ([
+        ('deit_t', 'swap/deit-t_shapes.py', "mmpretrain's DeiT-T (abs. embedding), from scratch", None),
+        ('finetune_none', 'swap/deit-t_finetune-none_shapes.py', "DeiT-T fine-tuned, + plain attention ('none')",
+         'deit_t'),
+        ('finetune_peg', 'swap/deit-t_finetune-peg_shapes.py', 'DeiT-T fine-tuned, + CPVT (PEG)', 'deit_t'),
+        ('finetune_irpe', 'swap/deit-t_finetune-irpe_shapes.py', 'DeiT-T fine-tuned, + iRPE-K', 'deit_t'),
+        ('finetune_peripheral', 'swap/deit-t_finetune-peripheral_shapes.py', 'DeiT-T fine-tuned, + PPE (peripheral)',
+         'deit_t'),
+    ], 'work_dirs/compare_phis/swap', False, ()),
+    'ablations': ([
+        ('a', 'ablations/shapes/pervit-t_components-a_shapes.py', '(a) PerViT-T, peripheral init', None),
+        ('b', 'ablations/shapes/pervit-t_components-b_shapes.py', '(b) without Φp', None),
+        ('c', 'ablations/shapes/pervit-t_components-c_shapes.py', '(c) without Φc', None),
+        ('init_conv', 'ablations/shapes/pervit-t_init-conv_shapes.py', '(a), conv init', None),
+        ('init_rand', 'ablations/shapes/pervit-t_init-rand_shapes.py', '(a), rand init', None),
+        ('design_euc_ml', 'ablations/shapes/pervit-t_design-euc-ml_shapes.py', '(a), Φp Euc + ML', None),
+        ('design_euc', 'ablations/shapes/pervit-t_design-euc_shapes.py', '(a), Φp Euc', None),
+        ('design_lrn_n_ml', 'ablations/shapes/pervit-t_design-lrn-n-ml_shapes.py', '(a), Φp Lrn + N + ML', None),
+        ('design_lrn_ml', 'ablations/shapes/pervit-t_design-lrn-ml_shapes.py', '(a), Φp Lrn + ML', None),
+        ('design_lrn', 'ablations/shapes/pervit-t_design-lrn_shapes.py', '(a), Φp Lrn', None),
+    ], 'work_dirs/compare_phis/ablations', True, ()),
+    'resolution': ([
+        ('none', 'study/deit-t-half_none_shapes.py', 'no position (plain attention, no embedding)', None),
+        ('ape', 'study/deit-t-half_ape_shapes.py', 'APE (learned absolute embedding)', None),
+        ('peg', 'study/deit-t-half_peg_shapes.py', 'CPVT (PEG), no APE', None),
+        ('irpe', 'study/deit-t-half_irpe_shapes.py', 'iRPE-K + APE', None),
+        ('peripheral', 'study/deit-t-half_peripheral_shapes.py', 'PPE (peripheral) + APE', None),
+        ('pervit_t', 'study/pervit-t-half_shapes.py', 'PerViT-T (conv stem, CPE, peripheral)', None),
+        ('rope', 'study/deit-t-half_rope_shapes.py', 'RoPE-Mixed, no APE', None),
+        ('rpb', 'study/deit-t-half_rpb_shapes.py', 'bias table (rpb), no APE', None),
+        ('alibi', 'study/deit-t-half_alibi_shapes.py', '2D ALiBi, no APE', None),
+        ('gpsa', 'study/deit-t-half_gpsa_shapes.py', 'GPSA + APE', None),
+    ], 'work_dirs/compare_phis/resolution', False, (0.5, 0.75, 1.0, 1.5, 2.0)),
+}
 
-@pytest.fixture(scope='module')
-def tool():
-    sys.path.insert(0, str(ROOT / 'tools'))
-    try:
-        yield importlib.import_module('compare_phis')
-    finally:
-        sys.path.remove(str(ROOT / 'tools'))
+
+def write_image_folder(root: Path, size: int = 64, per_class: dict = None) -> Path:
+    """A folder of tiny PNGs in mmpretrain's CustomDataset layout (``<split>/<class>/<image>.png``): two
+    classes, a bright square in the left or in the right half of a noisy image."""
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    for split, count in (per_class or dict(train=12, val=6)).items():
+        for side in ('left', 'right'):
+            (root / split / side).mkdir(parents=True)
+            for index in range(count):
+                image = rng.integers(0, 60, (size, size, 3), dtype=np.uint8)
+                top, left = rng.integers(0, size // 2, 2)
+                left += 0 if side == 'left' else size // 2
+                image[top:top + size // 4, left:left + size // 4] = 230
+                Image.fromarray(image).save(root / split / side / f'{index}.png')
+    return root
 
 
-def test_swap_experiment_trains_the_starting_model_first(tool):
+def write_data_config(path: Path, image_root: Path, batch_size: int = 8, extra: str = '') -> Path:
+    """A data config of the kind --data takes: CustomDataset on ``image_root``, 2 classes."""
+    path.write_text(f'''
+num_classes = 2
+data_preprocessor = dict(num_classes=num_classes, mean=[100.0] * 3, std=[50.0] * 3, to_rgb=False)
+pipeline = [dict(type='LoadImageFromFile'), dict(type='PackInputs')]
+train_dataloader = dict(batch_size={batch_size}, num_workers=0, sampler=dict(type='DefaultSampler', shuffle=True),
+                        dataset=dict(type='CustomDataset', data_root='{image_root}', data_prefix='train',
+                                     pipeline=pipeline))
+val_dataloader = dict(batch_size={batch_size}, num_workers=0, sampler=dict(type='DefaultSampler', shuffle=False),
+                      dataset=dict(type='CustomDataset', data_root='{image_root}', data_prefix='val',
+                                   pipeline=pipeline))
+test_dataloader = val_dataloader
+val_evaluator = dict(type='Accuracy', topk=(1,))
+test_evaluator = val_evaluator
+{extra}''')
+    return path
+
+
+def write_tiny_row(path: Path, base: str) -> Path:
+    """A row config of two blocks on top of one of configs/study/'s half-width DeiT-T configs."""
+    path.write_text(f"_base_ = '{ROOT / 'configs' / 'study' / base}'\n"
+                    'model = dict(backbone=dict(arch=dict(num_layers=2)))\n')
+    return path
+
+
+def test_the_built_in_studies_hold_the_rows_the_tool_had():
+    assert builtin_studies() == sorted(OLD_EXPERIMENTS)
+    for experiment, (rows, work_dir, analysed, factors) in OLD_EXPERIMENTS.items():
+        study = tool.parse_args(['--experiment', experiment]).study
+        assert [(row.name, row.config, row.label, row.start_from) for row in study.rows.values()] == rows, experiment
+        assert all(row.path == ROOT / 'configs' / row.config for row in study.rows.values())
+        assert (study.work_dir, study.analyse, study.test_size_factors) == (work_dir, analysed, factors)
+        assert study.data is None
+    assert tool.parse_args([]).study == tool.parse_args(['--experiment', 'table2']).study  # the default
+
+
+def test_swap_experiment_trains_the_starting_model_first():
     args = tool.parse_args(['--experiment', 'swap', '--rows', 'finetune_peripheral', 'finetune_peg'])
-    assert tool.planned_rows(args) == ['deit_t', 'finetune_peg', 'finetune_peripheral']
+    assert planned_rows(args.study, args.rows) == ['deit_t', 'finetune_peg', 'finetune_peripheral']
     assert args.work_dir == 'work_dirs/compare_phis/swap'
     assert tool.parse_args([]).work_dir == 'work_dirs/compare_phis'
     with pytest.raises(SystemExit):
         tool.parse_args(['--rows', 'finetune_peg'])  # a row of the other experiment
 
 
-def test_a_fine_tune_starts_from_the_last_checkpoint_of_its_run(tool, tmp_path):
+def test_a_row_listed_before_the_one_it_starts_from_trains_after_it(tmp_path):
+    (tmp_path / 'study.py').write_text(
+        "rows = [dict(name='ft', config='swap/deit-t_finetune-peg_shapes.py', start_from='base'),\n"
+        "        dict(name='other', config='deit_t_none_shapes.py'),\n"
+        "        dict(name='base', config='swap/deit-t_shapes.py')]\n")
+    study = load_study(tmp_path / 'study.py')
+    assert planned_rows(study) == ['base', 'ft', 'other']
+    assert planned_rows(study, ['ft']) == ['base', 'ft']
+    assert study.rows['ft'].label == 'ft'  # no label: the name
+
+
+def test_a_fine_tune_starts_from_the_last_checkpoint_of_its_run(tmp_path):
     with pytest.raises(FileNotFoundError, match='no last_checkpoint file'):
         tool.last_checkpoint(tmp_path)
     (tmp_path / 'last_checkpoint').write_text(f'{tmp_path / "epoch_10.pth"}\n')
     start = tool.last_checkpoint(tmp_path)
     assert start == tmp_path / 'epoch_10.pth'
-    options = tool.overrides(tool.parse_args(['--experiment', 'swap', '--epochs', '3']), seed=1, starting_checkpoint=start)
+    args = tool.parse_args(['--experiment', 'swap', '--epochs', '3'])
+    options = tool.overrides(args, seed=1, row=args.study.rows['finetune_peg'], starting_checkpoint=start)
     assert options == ['randomness.seed=1', 'train_cfg.max_epochs=3', 'param_scheduler.1.end=3',
                        f'model.backbone.backbone.init_cfg.checkpoint={start}', f'model.head.init_cfg.checkpoint={start}']
+    row = args.study.rows['deit_t']._replace(checkpoint_keys=('load_from',))  # a row's own keys
+    assert tool.overrides(args, seed=1, row=row, starting_checkpoint=start)[3:] == [f'load_from={start}']
 
 
-def test_every_row_config_has_what_the_tool_sets(tool):
+def test_every_row_config_has_what_the_tool_sets():
     from mmengine.config import Config
-    for experiment, rows in tool.EXPERIMENTS.items():
-        for name, row in rows.items():
-            cfg = Config.fromfile(tool.config_path(row.config))
+    for experiment in builtin_studies():
+        for name, row in load_study(STUDIES / f'{experiment}.py').rows.items():
+            cfg = Config.fromfile(row.path)
             assert cfg.param_scheduler[1].end == cfg.train_cfg.max_epochs, name  # what --epochs overrides
             if row.start_from:
                 assert cfg.model.backbone.type == 'PosattnSwappedBackbone', name
@@ -56,36 +176,245 @@ def test_every_row_config_has_what_the_tool_sets(tool):
                 assert cfg.model.head.init_cfg == dict(type='Pretrained', checkpoint=cfg.pretrained, prefix='head.')
 
 
-def test_the_resolution_experiment_tests_each_row_at_half_to_twice_its_training_size(tool):
-    rows = tool.EXPERIMENTS['resolution']
-    assert set(rows) >= {'none', 'ape', 'peg', 'irpe', 'peripheral', 'pervit_t', 'rope', 'rpb', 'alibi', 'gpsa'}
-    for row in rows.values():
-        assert tool.test_sizes(row, ['randomness.seed=0']) == [32, 48, 64, 96, 128], row.config
-    assert tool.test_sizes(rows['ape'], ['test_dataloader.dataset.img_size=32']) == [16, 24, 32, 48, 64]
-    with pytest.raises(ValueError, match='not a whole number of pixels'):
-        tool.test_sizes(rows['ape'], ['test_dataloader.dataset.img_size=50'])  # 0.75 x 50 = 37.5
+def test_a_study_file_names_configs_beside_it_or_under_configs(tmp_path):
+    write_tiny_row(tmp_path / 'mine.py', 'deit-t-half_ape_shapes.py')
+    write_data_config(tmp_path / 'data.py', tmp_path / 'images')
+    (tmp_path / 'mine_study.py').write_text(
+        "_half = 'study/deit-t-half_{}_shapes.py'\n"  # a helper variable
+        "rows = [dict(name='mine', config='mine.py', label='my APE'),\n"
+        "        dict(name='peg', config=_half.format('peg'), label='PEG')]\n"
+        "data = 'data.py'\nanalyse = True\ntest_size_factors = [1, 2]\n")
+    study = load_study(tmp_path / 'mine_study.py')
+    assert study.rows['mine'].path == tmp_path / 'mine.py'
+    assert study.rows['peg'].path == ROOT / 'configs' / 'study' / 'deit-t-half_peg_shapes.py'
+    assert study.data == tmp_path / 'data.py' and study.analyse and study.test_size_factors == (1.0, 2.0)
+    assert study.work_dir == 'work_dirs/compare_phis/mine_study'  # no work_dir: the file's name
+    assert tool.parse_args(['--study', str(tmp_path / 'mine_study.py'), '--work-dir', 'x']).work_dir == 'x'
+    other_data = write_data_config(tmp_path / 'other_data.py', tmp_path / 'images')
+    args = tool.parse_args(['--study', str(tmp_path / 'mine_study.py'), '--data', str(other_data)])
+    assert args.study.data == other_data  # --data before the study's own
+
+    args = tool.parse_args(['--configs', str(tmp_path / 'mine.py'), 'study/deit-t-half_peg_shapes.py'])
+    assert [(row.name, row.label, row.path) for row in args.study.rows.values()] == [
+        ('mine', 'mine', tmp_path / 'mine.py'),
+        ('deit-t-half_peg_shapes', 'deit-t-half_peg_shapes', ROOT / 'configs/study/deit-t-half_peg_shapes.py')]
+    assert args.work_dir == 'work_dirs/compare_phis/configs'
 
 
-def test_every_table_gives_the_mean_the_standard_deviation_and_the_number_of_seeds(tool):
+def test_a_rows_options_reach_its_runs_after_the_command_lines(tmp_path):
+    """The same config twice, another Φp per row: each run trains its row's, whatever the command
+    line sets for all rows; the seed and the budget stay the tool's."""
+    (tmp_path / 'study.py').write_text(
+        "rows = [dict(name='a', config='deit_t_none_shapes.py', options=dict(phi='rope')),\n"
+        "        dict(name='b', config='deit_t_none_shapes.py')]\n")
+    args = tool.parse_args(['--study', str(tmp_path / 'study.py'), '--epochs', '3', '--cfg-options', 'phi=peg',
+                            'randomness.seed=7'])
+    rows = args.study.rows
+    assert rows['a'].options == (('phi', 'rope'),) and rows['b'].options == ()
+    assert tool.overrides(args, 1, rows['a']) == ['phi=rope', 'randomness.seed=1', 'train_cfg.max_epochs=3',
+                                                  'param_scheduler.1.end=3']
+    assert tool.overrides(args, 1, rows['b'])[0] == 'phi=peg'
+
+
+@pytest.mark.parametrize('text, message', [
+    ("rows = []\n", r'has no rows: a study sets rows = \[dict\(name=..., config=..., label=...\), ...\]'),
+    ("rows = [dict(name='a', config='deit_t_none_shapes.py')]\nanalyze = True\n",
+     'sets analyze, which a study does not know; a study sets rows, data, analyse, test_size_factors, work_dir'),
+    ("rows = ['deit_t_none_shapes.py']\n", r"row 1: a row is dict\(name=..., config=..., label=...\), got"),
+    ("rows = [dict(name='a', config='deit_t_none_shapes.py', lable='A')]\n",
+     'row 1 sets lable, which a row does not know; a row sets name, config, label, options, start_from, '
+     'checkpoint_keys'),
+    ("rows = [dict(name='a', config='deit_t_none_shapes.py', options='phi=rope')]\n",
+     r"row 1: options are the row's --cfg-options as a dict, e.g. dict\(phi='rope'\), got 'phi=rope'"),
+    ("rows = [dict(name='a')]\n", 'row 1 has no config: every row needs a name and a config'),
+    ("rows = [dict(name='a b', config='deit_t_none_shapes.py')]\n", "the name 'a b' is no folder name"),
+    ("rows = [dict(name='a', config='nowhere.py')]\n", 'no config file nowhere.py: looked for .*nowhere.py and '
+                                                       '.*configs/nowhere.py'),
+    ("rows = [dict(name='a', config='deit_t_none_shapes.py'), dict(name='a', config='deit_t_peg_shapes.py')]\n",
+     "two rows are named 'a'; give each row its own name"),
+    ("rows = [dict(name='a', config='swap/deit-t_finetune-peg_shapes.py', start_from='base')]\n",
+     "row 'a' starts from 'base', which is no row of the study; its rows: a"),
+    ("rows = [dict(name='a', config='swap/deit-t_finetune-peg_shapes.py', start_from='b'),\n"
+     "        dict(name='b', config='swap/deit-t_finetune-irpe_shapes.py', start_from='a')]\n",
+     r'rows start from each other in a cycle \(a -> b -> a, "->" reads "starts from"\); one of them must train '
+     'from scratch'),
+    ("rows = [dict(name='a', config='swap/deit-t_finetune-peg_shapes.py', start_from='a')]\n",
+     r'in a cycle \(a -> a,'),
+    ("rows = [dict(name='a', config='deit_t_none_shapes.py'),\n"
+     "        dict(name='b', config='deit_t_peg_shapes.py', start_from='a')]\n",
+     "row 'b' starts from 'a', but its config deit_t_peg_shapes.py has no model.backbone.backbone.init_cfg.checkpoint, "
+     r"model.head.init_cfg.checkpoint to take the checkpoint; set the row's checkpoint_keys"),
+    ("rows = [dict(name='a', config='deit_t_none_shapes.py'),\n"
+     "        dict(name='b', config='deit_t_peg_shapes.py', start_from='a', checkpoint_keys='load_from')]\n",
+     r"checkpoint_keys is a list of config keys, e.g. \['load_from'\], got 'load_from'"),
+    ("rows = [dict(name='a', config='deit_t_none_shapes.py')]\ndata = 'no_data.py'\n", 'no config file no_data.py'),
+])
+def test_a_study_file_that_does_not_hold_together_is_an_error_naming_the_problem(tmp_path, text, message):
+    (tmp_path / 'study.py').write_text(text)
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        load_study(tmp_path / 'study.py')
+
+
+def test_a_bad_command_line_is_an_error_naming_the_problem(tmp_path, capsys):
+    def error(argv):
+        with pytest.raises(SystemExit):
+            tool.parse_args(argv)
+        return capsys.readouterr().err
+
+    assert f'no study file {tmp_path / "none.py"}' in error(['--study', str(tmp_path / 'none.py')])
+    assert 'no row pervit in the swap study; its rows: deit_t, finetune_none' in error(
+        ['--experiment', 'swap', '--rows', 'pervit'])
+    assert 'not allowed with argument --experiment' in error(['--experiment', 'swap', '--configs', 'a.py'])
+    assert '--configs names two files called deit_t_none_shapes.py' in error(
+        ['--configs', 'deit_t_none_shapes.py', str(ROOT / 'configs' / 'deit_t_none_shapes.py')])
+    (tmp_path / 'data.py').write_text("train_dataloader = dict()\nnum_classes = 3\n")
+    assert (f'the data config {tmp_path / "data.py"} does not define val_dataloader, test_dataloader, val_evaluator, '
+            'test_evaluator; a data config defines') in error(['--data', str(tmp_path / 'data.py')])
+    assert '--timing-repeats must be >= 1' in error(['--timing-repeats', '0'])
+
+
+def test_data_replaces_each_rows_datasets_whole_and_sets_the_classes(tmp_path):
+    from mmengine.config import Config
+    from mmengine.registry import init_default_scope
+    from mmpretrain.registry import DATASETS
+    images = write_image_folder(tmp_path / 'two_squares', per_class=dict(train=2, val=1))
+    data = load_data(write_data_config(tmp_path / 'data.py', images, batch_size=4))
+    for config in ('deit_t_none_shapes.py', 'swap/deit-t_finetune-peg_shapes.py', 'pervit_t_shapes.py'):
+        row = Row(config, config, ROOT / 'configs' / config, config)
+        own, cfg = Config.fromfile(row.path), row_config(row, data)
+        for key in DATA_KEYS:  # the row's PositionalShapes (split, num_images, img_size) is gone
+            assert cfg[key].to_dict() == data[key].to_dict(), (config, key)
+        assert cfg.model.head.num_classes == 2 and cfg.data_preprocessor.num_classes == 2, config
+        assert cfg.data_preprocessor.mean == [100.0] * 3  # the data's other keys are merged in
+        assert cfg.optim_wrapper.to_dict() == own.optim_wrapper.to_dict() and cfg.model.backbone == own.model.backbone
+        init_default_scope('mmpretrain')
+        assert len(DATASETS.build(cfg.train_dataloader.dataset)) == 4  # the dataset builds as the data says
+        cfg.dump(tmp_path / 'dumped.py')  # what tools/train.py then reads: the same config
+        assert Config.fromfile(tmp_path / 'dumped.py').to_dict() == cfg.to_dict(), config
+    (tmp_path / 'headless.py').write_text("model = dict(type='ImageClassifier', backbone=dict(type='PosattnViT'))\n")
+    with pytest.raises(ValueError, match=r"headless.py: a data config sets the classes of a classifier's head "
+                                         r'\(model.head.num_classes\)'):
+        row_config(Row('headless', 'headless.py', tmp_path / 'headless.py', 'headless'), data)
+
+
+def test_the_figures_take_the_data_name_the_chance_and_the_batch_from_the_configs(tmp_path):
+    from mmengine.config import Config
+    study = load_study(STUDIES / 'table2.py')
+    shapes = {name: row_config(row, None) for name, row in study.rows.items()}
+    timing = {name: dict(step_time_s=0.2, batch_size=64, input_size=[64, 64]) for name in shapes}
+    assert tool.figure_labels(shapes, timing) == dict(
+        dataset='PositionalShapes', chance_top1=[pytest.approx(100 / 6)],
+        step_time_axis='training step time (ms; batch 64, 64 x 64 px; CPU, 1 thread)')
+    assert tool.figure_labels(shapes, None)['step_time_axis'] is None
+
+    data = load_data(write_data_config(tmp_path / 'data.py', tmp_path / 'my_flowers'))
+    mine = row_config(study.rows['pervit_t'], data)
+    assert tool.dataset_name(mine) == 'CustomDataset (my_flowers)'
+    wrapped = Config(dict(train_dataloader=dict(dataset=dict(type='RepeatDataset', times=2, dataset=dict(
+        type='CustomDataset', data_prefix=dict(img_path='/data/birds/train'))))))
+    assert tool.dataset_name(wrapped) == 'CustomDataset (train)'
+    named = load_data(write_data_config(tmp_path / 'named.py', tmp_path / 'x', extra="dataset_name = 'Birds'"))
+    assert tool.dataset_name(row_config(study.rows['pervit_t'], named)) == 'Birds'
+
+    runs = [dict(row=row, seed=0, top1_per_epoch=[50.0, 60.0 + index], params=1e6 * (1 + index), wall_s=6.0)
+            for index, row in enumerate(('deit_t_none', 'pervit_t'))]
+    timing = {'deit_t_none': dict(step_time_s=0.2, batch_size=8, input_size=[32, 32]),
+              'pervit_t': dict(step_time_s=0.3, batch_size=8, input_size=[32, 32])}
+    configs = {'deit_t_none': mine, 'pervit_t': mine}
+    for timed in (timing, None):
+        labels = tool.figure_labels(configs, timed)
+        table = tool.summarise(runs, study.rows, timed)
+        fig = tool.comparison_figure(runs, table, study.rows, labels)
+        curves, scatter = fig.axes
+        assert curves.get_title() == 'CustomDataset (my_flowers)'
+        (chance,) = [line for line in curves.get_lines() if line.get_label().startswith('chance')]
+        assert list(chance.get_ydata()) == [50.0, 50.0]  # 2 classes
+        points = scatter.collections[0].get_offsets()[0], scatter.collections[1].get_offsets()[0]
+        if timed:
+            assert scatter.get_xlabel() == 'training step time (ms; batch 8, 32 x 32 px; CPU, 1 thread)'
+            assert [tuple(point) for point in points] == [(pytest.approx(200.0), 60.0), (pytest.approx(300.0), 61.0)]
+        else:  # no time axis where nothing was timed
+            assert scatter.get_xlabel() == 'parameters (M)' and 'not measured' in scatter.get_title()
+            assert [tuple(point) for point in points] == [(1.0, 60.0), (2.0, 61.0)]
+        tool.save_figure(fig, tmp_path / 'figure.png', 50)
+        runs_at_sizes = [dict(run, top1_at_size={'32': 55.0, '64': 60.0}) for run in runs]
+        fig = tool.resolution_figure(table, runs_at_sizes, (0.5, 1.0), labels)
+        assert fig.axes[0].get_title().startswith('CustomDataset (my_flowers) at other input sizes')
+        tool.save_figure(fig, tmp_path / 'resolution.png', 50)
+
+
+def test_a_training_step_is_timed_per_row_at_its_batch_and_input_size(tmp_path):
+    import torch
+    images = write_image_folder(tmp_path / 'images', size=32, per_class=dict(train=1))
+    data = load_data(write_data_config(tmp_path / 'data.py', images, batch_size=3))
+    rows = {name: Row(name, name, write_tiny_row(tmp_path / f'{name}.py', f'deit-t-half_{name}_shapes.py'), name)
+            for name in ('ape', 'peripheral')}
+    configs = {name: row_config(row, data) for name, row in rows.items()}
+    threads = torch.get_num_threads()
+    timing = time_training_steps(configs, repeats=3)
+    assert torch.get_num_threads() == threads  # put back
+    assert list(timing) == ['ape', 'peripheral']
+    for row in timing.values():
+        assert row['batch_size'] == 3 and row['input_size'] == [32, 32] and 0 < row['step_time_s'] < 10
+    note = step_timing_note(timing, 3)
+    assert '(batch 3, 32 x 32 px)' in note and 'one thread' in note and 'median of 3 steps' in note
+    assert step_timing_note(None, 3) == 'Step time: not measured (--no-timing).'
+
+
+def test_a_training_step_changes_the_weights_as_the_configs_optimizer_does(tmp_path):
+    """The timed step is a full one: forward, backward and the optimizer's update of every weight."""
+    import torch
+    images = write_image_folder(tmp_path / 'images', size=32, per_class=dict(train=1))
+    data = load_data(write_data_config(tmp_path / 'data.py', images, batch_size=2))
+    cfg = row_config(Row('ape', 'ape', write_tiny_row(tmp_path / 'ape.py', 'deit-t-half_ape_shapes.py'),
+                                   'ape'), data)
+    step = training_step(cfg, (3, 32, 32))
+    model, optim_wrapper = step.func.__self__, step.args[1]
+    assert optim_wrapper.optimizer.defaults['lr'] == cfg.optim_wrapper.optimizer.lr
+    before = {name: param.detach().clone() for name, param in model.named_parameters()}
+    losses = step()
+    assert set(losses) == {'loss'} and torch.isfinite(losses['loss'])
+    assert all(not torch.equal(before[name], param) for name, param in model.named_parameters()), 'a weight not updated'
+
+
+def test_every_table_gives_the_mean_the_standard_deviation_and_the_number_of_seeds():
     assert tool.mean_std([98.0, 99.0, 100.0]) == '99.0 ± 1.0 (3 seeds)'  # sample deviation, n - 1
     assert tool.mean_std([97.25]) == '97.2 (1 seed)'
-    runs = [dict(row='a', seed=seed, top1_per_epoch=[50.0, final], step_time_s=0.1, params=1e6, wall_s=60.0,
+    runs = [dict(row='a', seed=seed, top1_per_epoch=[50.0, final], params=1e6, wall_s=60.0,
                  top1_at_size={'32': final - 10, '64': final})
             for seed, final in enumerate((90.0, 92.0, 94.0))]
-    rows = {'a': tool.Row('study/deit-t-half_ape_shapes.py', 'APE')}
-    table = tool.summarise(runs, rows)
+    config = 'study/deit-t-half_ape_shapes.py'
+    rows = {'a': Row('a', config, ROOT / 'configs' / config, 'APE')}
+    table = tool.summarise(runs, rows, {'a': dict(step_time_s=0.25, batch_size=64, input_size=[64, 64])})
     assert table[0]['top1_std'] == pytest.approx(2.0) and table[0]['top1_spread'] == pytest.approx(4.0)
-    assert '| APE | `study/deit-t-half_ape_shapes.py` | 1.00 | 2 | 92.0 ± 2.0 (3 seeds) | 4.0 |' in tool.markdown(table, runs)
-    assert '| APE | 82.0 ± 2.0 (3 seeds) | 92.0 ± 2.0 (3 seeds) |' in tool.resolution_markdown(table, runs)
+    assert ('| APE | `study/deit-t-half_ape_shapes.py` | 1.00 | 2 | 92.0 ± 2.0 (3 seeds) | 4.0 | 92.0 | -, -, - '
+            '| 250 | 1.0 |') in tool.markdown(table, runs)
+    assert '| 4.0 | 92.0 | -, -, - | not measured | 1.0 |' in tool.markdown(tool.summarise(runs, rows), runs)
+    resolution = tool.resolution_markdown(table, runs, (0.5, 1.0))
+    assert '| model | 0.5x: 32 px | 1x: 64 px |' in resolution
+    assert '| APE | 82.0 ± 2.0 (3 seeds) | 92.0 ± 2.0 (3 seeds) |' in resolution
 
 
-def test_a_run_is_reused_only_with_the_same_config_and_options(tool, tmp_path, monkeypatch):
-    monkeypatch.setattr(tool, 'config_path', lambda config: tmp_path / config)
-    row = tool.Row('row.py', 'a row')
+def test_the_resolution_experiment_tests_each_row_at_half_to_twice_its_training_size():
+    study = load_study(STUDIES / 'resolution.py')
+    assert set(study.rows) >= {'none', 'ape', 'peg', 'irpe', 'peripheral', 'pervit_t', 'rope', 'rpb', 'alibi', 'gpsa'}
+
+    def sizes(row, options):
+        return tool.test_sizes(with_options(row_config(row, None), options), study.test_size_factors,
+                               row.config)
+    for row in study.rows.values():
+        assert sizes(row, ['randomness.seed=0']) == [32, 48, 64, 96, 128], row.config
+    assert sizes(study.rows['ape'], ['test_dataloader.dataset.img_size=32']) == [16, 24, 32, 48, 64]
+    with pytest.raises(ValueError, match='not a whole number of pixels'):
+        sizes(study.rows['ape'], ['test_dataloader.dataset.img_size=50'])  # 0.75 x 50 = 37.5
+
+
+def test_a_run_is_reused_only_with_the_same_config_and_options(tmp_path):
+    row = Row('row', 'row.py', tmp_path / 'row.py', 'a row')
     (tmp_path / 'row.py').write_text('model = dict(width=96)\n')
     options = ['randomness.seed=0']
-    digest = tool.config_digest(row, options)
-    assert tool.config_digest(row, ['randomness.seed=1']) != digest
+    digest = tool.config_digest(row_config(row, None), options)
+    assert tool.config_digest(row_config(row, None), ['randomness.seed=1']) != digest
     run_dir = tmp_path / 'run'
     run_dir.mkdir()
     assert tool.finished_run(run_dir, options, digest) is None  # nothing recorded yet
@@ -93,10 +422,10 @@ def test_a_run_is_reused_only_with_the_same_config_and_options(tool, tmp_path, m
     assert tool.finished_run(run_dir, options, digest) == dict(options=options, config_digest=digest)
     assert tool.finished_run(run_dir, ['randomness.seed=1'], digest) is None
     (tmp_path / 'row.py').write_text('model = dict(width=64)\n')  # the config was edited since
-    assert tool.finished_run(run_dir, options, tool.config_digest(row, options)) is None
+    assert tool.finished_run(run_dir, options, tool.config_digest(row_config(row, None), options)) is None
 
 
-def test_an_unfinished_or_other_run_is_set_aside_not_mixed_into_the_new_one(tool, tmp_path):
+def test_an_unfinished_or_other_run_is_set_aside_not_mixed_into_the_new_one(tmp_path):
     run_dir = tmp_path / 'seed0'
     assert tool.set_aside(run_dir) is None  # nothing there yet
     run_dir.mkdir()
@@ -112,7 +441,7 @@ def test_an_unfinished_or_other_run_is_set_aside_not_mixed_into_the_new_one(tool
     assert (aside / '20260101_000000' / 'vis_data' / 'scalars.json').is_file()  # kept, not deleted
 
 
-def test_a_run_is_read_from_every_log_folder_in_order(tool, tmp_path):
+def test_a_run_is_read_from_every_log_folder_in_order(tmp_path):
     """A resumed run has a log folder per start: top-1 per epoch and step times over both, in order."""
     with pytest.raises(FileNotFoundError, match='no mmengine scalars under'):
         tool.read_run(tmp_path)
@@ -123,47 +452,54 @@ def test_a_run_is_read_from_every_log_folder_in_order(tool, tmp_path):
         (tmp_path / folder / 'vis_data').mkdir(parents=True)
         (tmp_path / folder / 'vis_data' / 'scalars.json').write_text(''.join(json.dumps(row) + '\n' for row in rows))
     run = tool.read_run(tmp_path)
-    assert run == dict(top1_per_epoch=[50.0, 90.0], step_time_s=pytest.approx(0.4))  # the first window skipped
+    assert run == dict(top1_per_epoch=[50.0, 90.0], logged_step_time_s=pytest.approx(0.4))  # the first window skipped
+    (tmp_path / '20260101_120000' / 'vis_data' / 'scalars.json').unlink()
+    assert tool.read_run(tmp_path) == dict(top1_per_epoch=[50.0], logged_step_time_s=None)  # one window: warm-up
+    (tmp_path / '20260101_100000' / 'vis_data' / 'scalars.json').write_text(json.dumps(logs['20260101_100000'][0]))
+    with pytest.raises(ValueError, match='hold no validation top-1'):
+        tool.read_run(tmp_path)
 
 
-def build(tool, row, options=()):
+def build(row, options=()):
+    from mmengine.registry import init_default_scope
     from mmpretrain.registry import MODELS
-    cfg = tool.Config.fromfile(tool.config_path(row.config))
+    cfg = row_config(row, None)
     cfg.merge_from_dict(dict(option.split('=', 1) for option in options))
-    tool.init_default_scope(cfg.default_scope)
+    init_default_scope(cfg.default_scope)
     model = MODELS.build(cfg.model)
     model.init_weights()
     return model
 
 
-def test_each_fine_tune_builds_from_the_starting_checkpoint_and_refuses_to_start_without_one(tool, tmp_path,
+def test_each_fine_tune_builds_from_the_starting_checkpoint_and_refuses_to_start_without_one(tmp_path,
                                                                                            monkeypatch):
     import torch
     monkeypatch.chdir(tmp_path)  # the configs' own checkpoint path is relative: here nothing was trained
-    rows = tool.EXPERIMENTS['swap']
+    args = tool.parse_args(['--experiment', 'swap'])
+    rows = args.study.rows
     torch.manual_seed(1)
-    trained = build(tool, rows['deit_t'])
+    trained = build(rows['deit_t'])
     with torch.no_grad():  # no tensor left at an initialisation that a fresh build would repeat (zeros, ones)
         for param in trained.parameters():
             param.normal_()
     start = tmp_path / 'epoch_10.pth'
     torch.save({'state_dict': trained.state_dict()}, start)
-    options = tool.overrides(tool.parse_args(['--experiment', 'swap']), seed=0, starting_checkpoint=start)
     for name, row in rows.items():
         if not row.start_from:
             continue
         with pytest.raises(FileNotFoundError, match='model.backbone.backbone.init_cfg.checkpoint=PATH'):
-            build(tool, row)
-        model = build(tool, row, options).state_dict()
+            build(row)
+        model = build(row, tool.overrides(args, seed=0, row=row, starting_checkpoint=start)).state_dict()
         for key, value in trained.state_dict().items():  # the classifier's backbone.* sits under backbone.backbone.*
             assert torch.equal(model[key.replace('backbone.', 'backbone.backbone.', 1)], value), (name, key)
         assert any('.attn.phi.' in key for key in model) == (name != 'finetune_none'), name
 
 
-def small_run(work_dir, *args, train_images=64):
-    """The command of a tools/compare_phis.py run with a reduced budget (2 epochs, a few images), and its
-    result, checked to have succeeded."""
-    command = [sys.executable, 'tools/compare_phis.py', *args, '--epochs', '2', '--work-dir', str(work_dir),
+def small_run(work_dir, *args, train_images=64, timing=False):
+    """The command of a tools/compare_phis.py run with a reduced budget (2 epochs, a few images, no step
+    timing unless asked), and its result, checked to have succeeded."""
+    command = [sys.executable, 'tools/compare_phis.py', *args, *([] if timing else ['--no-timing']), '--epochs', '2',
+               '--work-dir', str(work_dir),
                '--cfg-options', f'train_dataloader.dataset.num_images={train_images}', 'train_dataloader.batch_size=32',
                'val_dataloader.dataset.num_images=32', 'test_dataloader.dataset.num_images=32',
                'default_hooks.logger.interval=1']
@@ -174,32 +510,83 @@ def small_run(work_dir, *args, train_images=64):
 
 @pytest.mark.slow
 def test_compare_phis_trains_each_row_and_seed_and_tabulates(tmp_path):
-    command, result = small_run(tmp_path, '--rows', 'deit_t_peg', 'pervit_t', '--seeds', '0', '1', train_images=96)
+    command, result = small_run(tmp_path, '--rows', 'deit_t_peg', 'pervit_t', '--seeds', '0', '1', '--timing-repeats',
+                                '2', train_images=96, timing=True)
 
     record = json.loads((tmp_path / 'comparison.json').read_text())
     assert [(run['row'], run['seed']) for run in record['runs']] == [
         ('deit_t_peg', 0), ('deit_t_peg', 1), ('pervit_t', 0), ('pervit_t', 1)]
     for run in record['runs']:
         assert len(run['top1_per_epoch']) == 2 and all(0 <= top1 <= 100 for top1 in run['top1_per_epoch'])
-        assert run['step_time_s'] > 0
+        assert run['logged_step_time_s'] > 0
         assert (tmp_path / run['row'] / f'seed{run["seed"]}' / 'epoch_2.pth').is_file()
     params = {line['row']: line['params_m'] for line in record['table']}
     assert params['pervit_t'] == pytest.approx(7.3, abs=0.1)   # PerViT-T with a 6-class head
     assert params['deit_t_peg'] == pytest.approx(5.5, abs=0.1)  # ViT-Tiny, no abs. embedding, 5 PEGs
     pervit = [run['top1_per_epoch'][-1] for run in record['runs'] if run['row'] == 'pervit_t']
     assert record['table'][1]['top1'] == pytest.approx(sum(pervit) / 2)
+    for line in record['table']:  # timed by the tool at the batch the runs trained with
+        timing = record['step_timing']['rows'][line['row']]
+        assert timing['batch_size'] == 32 and timing['input_size'] == [64, 64]
+        assert line['step_time_ms'] == pytest.approx(1e3 * timing['step_time_s']) and line['step_time_ms'] > 0
+    assert record['figure'] == dict(dataset='PositionalShapes', chance_top1=[pytest.approx(100 / 6)],
+                                    step_time_axis='training step time (ms; batch 32, 64 x 64 px; CPU, 1 thread)')
 
     table = (tmp_path / 'comparison.md').read_text()
     assert '| PerViT-T | `pervit_t_shapes.py` |' in table and '2 seeds' in table
+    assert 'median of 2 steps' in table
     assert (tmp_path / 'comparison.png').read_bytes()[:4] == b'\x89PNG'
     assert '| PerViT-T | `pervit_t_shapes.py` | 7.31 | 2 |' in result.stdout
 
     # the same settings again: the finished run is reused, not trained again
-    again = subprocess.run(command[:3] + ['pervit_t'] + command[5:], cwd=ROOT, capture_output=True, text=True,
-                           timeout=300)
+    again = subprocess.run(command[:3] + ['pervit_t'] + command[5:] + ['--no-timing'], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count('reusing') == 2 and 'Epoch(val)' not in again.stdout
-    assert json.loads((tmp_path / 'comparison.json').read_text())['runs'] == record['runs'][2:]
+    record_again = json.loads((tmp_path / 'comparison.json').read_text())
+    assert record_again['runs'] == record['runs'][2:]
+    assert record_again['table'][0]['step_time_ms'] is None and record_again['figure']['step_time_axis'] is None
+    assert 'Step time: not measured (--no-timing).' in (tmp_path / 'comparison.md').read_text()
+
+
+@pytest.mark.slow
+def test_a_user_study_compares_two_phis_on_an_image_folder(tmp_path):
+    """Two Φp, two seeds, a study file and a data config of the user's: the tables, and figures that
+    name the data, its chance and the batch."""
+    write_image_folder(tmp_path / 'two_squares')
+    write_data_config(tmp_path / 'two_squares.py', tmp_path / 'two_squares')
+    write_tiny_row(tmp_path / 'tiny_ape.py', 'deit-t-half_ape_shapes.py')
+    write_tiny_row(tmp_path / 'tiny_peripheral.py', 'deit-t-half_peripheral_shapes.py')
+    (tmp_path / 'study.py').write_text(
+        "rows = [dict(name='ape', config='tiny_ape.py', label='APE, 2 blocks'),\n"
+        "        dict(name='peripheral', config='tiny_peripheral.py', label='PPE (peripheral), 2 blocks')]\n"
+        f"data = 'two_squares.py'\nwork_dir = '{tmp_path / 'runs'}'\n")
+    command = [sys.executable, 'tools/compare_phis.py', '--study', str(tmp_path / 'study.py'), '--seeds', '0', '1',
+               '--epochs', '2', '--timing-repeats', '2', '--cfg-options', 'default_hooks.logger.interval=1']
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    runs_dir = tmp_path / 'runs'
+    record = json.loads((runs_dir / 'comparison.json').read_text())
+    assert [(run['row'], run['seed']) for run in record['runs']] == [
+        ('ape', 0), ('ape', 1), ('peripheral', 0), ('peripheral', 1)]
+    for run in record['runs']:
+        assert len(run['top1_per_epoch']) == 2 and all(0 <= top1 <= 100 for top1 in run['top1_per_epoch'])
+    assert record['figure'] == dict(dataset='CustomDataset (two_squares)', chance_top1=[50.0],
+                                    step_time_axis='training step time (ms; batch 8, 64 x 64 px; CPU, 1 thread)')
+    assert [line['model'] for line in record['table']] == ['APE, 2 blocks', 'PPE (peripheral), 2 blocks']
+    assert all(line['step_time_ms'] > 0 for line in record['table'])
+    from mmengine.config import Config
+    trained = Config.fromfile(runs_dir / 'ape' / 'config.py')  # what tools/train.py trained: the user's data
+    assert trained.train_dataloader.dataset.type == 'CustomDataset' and trained.model.head.num_classes == 2
+    assert trained.model.backbone.arch.num_layers == 2
+    (mmengine_log,) = (runs_dir / 'ape' / 'seed1').glob('*/*.log')
+    assert "type='CustomDataset'" in mmengine_log.read_text()
+
+    table = (runs_dir / 'comparison.md').read_text()
+    assert '| APE, 2 blocks | `tiny_ape.py` |' in table and '(2 seeds)' in table
+    assert '(batch 8, 64 x 64 px)' in table
+    assert (runs_dir / 'comparison.png').read_bytes()[:4] == b'\x89PNG'
 
 
 @pytest.mark.slow
@@ -214,7 +601,7 @@ def test_swap_experiment_fine_tunes_from_its_own_starting_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_ablations_experiment_measures_the_attention_of_each_run(tool, tmp_path):
+def test_ablations_experiment_measures_the_attention_of_each_run(tmp_path):
     assert tool.parse_args(['--experiment', 'ablations']).work_dir == 'work_dirs/compare_phis/ablations'
     small_run(tmp_path, '--experiment', 'ablations', '--rows', 'b', 'c')
     record = json.loads((tmp_path / 'comparison.json').read_text())

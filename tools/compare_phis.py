@@ -1,48 +1,85 @@
-"""Φp compared on the embedded set, one budget per row, in five experiments:
+"""Φp compared with one budget per row: every row of a study (an mmengine config) trained with each seed,
+optionally analysed or tested at other input sizes, then tables, figures and a timed training step per row.
 
-    python tools/compare_phis.py                       # table2: 5 rows x seed 0, 10 epochs each
+    python tools/compare_phis.py                       # the table2 study: 5 rows x seed 0, 10 epochs each
     python tools/compare_phis.py --epochs 3 --seeds 0 1 --rows deit_t_none pervit_t
     python tools/compare_phis.py --experiment schemes  # DeiT-T with RoPE, tables, ALiBi, GPSA; ConViT-T
     python tools/compare_phis.py --experiment swap     # DeiT-T, then a fine-tune per swapped-in Φp
     python tools/compare_phis.py --experiment ablations --seeds 0 1 2   # PerViT's study, half width
     python tools/compare_phis.py --experiment resolution --seeds 0 1 2  # each Φp tested at 0.5-2x its size
+    python tools/compare_phis.py --study my_study.py --seeds 0 1 2      # rows of your own
+    python tools/compare_phis.py --configs a.py b.py --data my_data.py  # configs as rows, on your data
 
-``table2`` is PerViT Table 2: the same ViT-Tiny with each Φp, and PerViT-T, from scratch.
-``schemes`` puts the positional schemes of later ViTs in the same ViT-Tiny, from scratch (RoPE-Mixed,
-a relative position bias table, 2D ALiBi, gated positional attention), beside plain DeiT-T and a
-ConViT-T-like model. ``swap``
-trains mmpretrain's own DeiT-T (``configs/swap/deit-t_shapes.py``), then fine-tunes that checkpoint
-with each Φp swapped in by ``PosattnSwappedBackbone`` (``configs/swap/deit-t_finetune-*_shapes.py``).
-``ablations`` is PerViT's component study (Table 1 rows (a), (b), (c)), Φp initialisations
-(Table 5, top: peripheral is row (a), conv, rand) and Φp designs (Table 5, bottom: a Euclidean or a
-learned embedding of the offsets, with or without the neighbourhood term N and several layers ML;
-row (a) is Euc + N + ML) with PerViT-T at half width
-(``configs/ablations/shapes/``); after each run ``tools/analyze.py`` measures its attention, and
-the nonlocality of Φp and Φa per layer (the paper's Fig. A8) joins the run's record.
+The built-in studies (``--experiment``) are the files of ``configs/studies/``. ``table2`` is PerViT
+Table 2: the same ViT-Tiny with each Φp, and PerViT-T, from scratch. ``schemes`` puts the positional
+schemes of later ViTs in the same ViT-Tiny, from scratch (RoPE-Mixed, a relative position bias table,
+2D ALiBi, gated positional attention), beside plain DeiT-T and a ConViT-T-like model. ``swap`` trains
+mmpretrain's own DeiT-T (``configs/swap/deit-t_shapes.py``), then fine-tunes that checkpoint with each
+Φp swapped in by ``PosattnSwappedBackbone`` (``configs/swap/deit-t_finetune-*_shapes.py``).
+``ablations`` is PerViT's component study (Table 1 rows (a), (b), (c)), Φp initialisations (Table 5,
+top) and Φp designs (Table 5, bottom) with PerViT-T at half width; each run is analysed by
+``tools/analyze.py``, and the nonlocality of Φp and Φa per layer (the paper's Fig. A8) joins its record.
 ``resolution`` is CPVT Table 3's last column: each Φp in DeiT-T at half width, with PerViT-T at half
-width (``configs/study/``), trained at 64 x 64 and tested, without fine-tuning, at 0.5, 0.75, 1, 1.5
-and 2 times that size (``tools/test.py --img-size``: the same test scenes drawn at each size).
+width, trained at 64 x 64 and tested, without fine-tuning, at 0.5, 0.75, 1, 1.5 and 2 times that size
+(``tools/test.py --img-size``: the same test scenes drawn at each size).
 
-Every row is a config trained by ``tools/train.py`` (one process per run, its log under the work
-dir) with the data and recipe of ``configs/_base_/shapes.py``: within an experiment's stage only
-the model differs (the half-width models of ``configs/study/`` train at a learning rate of 1e-3).
-``--epochs`` sets every run's length alike (the cosine schedule ends with it); each seed sets
-mmengine's ``randomness.seed`` (initialisation and shuffling; the data is the same). A row that
-starts from another (the fine-tunes) takes the last checkpoint of that row's run with the same seed.
+A study file is a Python file read by mmengine's ``Config.fromfile`` (so it may inherit another study
+with ``_base_``)::
 
-A run that finished before in the work dir with the same config and overrides (its ``run.json``)
-is reused, not trained again, and a size it was tested at is not tested again: an interrupted study
-goes on where it stopped. A run's folder that holds anything else (an interrupted run, or one of
-another config) is moved to ``<seed folder>.before-<time>`` and the run trained afresh. Delete a
-run's folder to rerun it. Writes to the work dir:
-``comparison.json`` (every run: validation top-1 per epoch, parameters, median training step
-time over mmengine's logged windows, wall time, top-1 per test size), ``comparison.md`` (the
-tables: mean ± standard deviation over seeds with their number, the range, and per seed the first
-epoch at 95% top-1) and ``comparison.png`` (validation top-1 per epoch, and final top-1 against step
-time); the resolution experiment adds ``resolution.png`` (top-1 against test size, a band over
-seeds) and ``resolution.log`` (tools/test.py's output).
+    rows = [
+        dict(name='ape', config='study/deit-t-half_ape_shapes.py', label='APE'),
+        dict(name='peg', config='my_peg.py', label='CPVT (PEG)'),
+        dict(name='rope', config='your_data/deit_t_image_folder.py', label='RoPE', options=dict(phi='rope')),
+        dict(name='ft', config='my_finetune.py', label='APE, fine-tuned', start_from='ape',
+             checkpoint_keys=['load_from']),
+    ]
+    data = 'my_data.py'              # optional: every row's data, as --data
+    analyse = True                   # optional (False): tools/analyze.py on each run, Ω per layer
+    test_size_factors = (0.5, 1, 2)  # optional (none): test each run at these multiples of its test size
+    work_dir = 'work_dirs/my_study'  # optional (work_dirs/compare_phis/<study file name>)
+
+A row's ``name`` names its folder in the work dir and what ``--rows`` picks; ``config`` is a path
+relative to the study file, else to ``configs/``; ``label`` (default: the name) is what the tables and
+figures call it; ``options`` are the ``--cfg-options`` of that row alone (on top of the command
+line's). A row with ``start_from`` starts from the last checkpoint of that row's run with the
+same seed, written into the config keys ``checkpoint_keys`` (default: the two ``init_cfg`` checkpoints
+of the swap configs, ``model.backbone.backbone`` and ``model.head``); the row it starts from is trained
+first. ``data`` is relative to the study file, else to ``configs/``. Names that start with ``_`` are
+free for helper variables; any other unknown setting is an error.
+
+``--data FILE`` (or a study's ``data``) gives every row the data of a config that defines
+``train_dataloader``, ``val_dataloader``, ``test_dataloader``, ``val_evaluator``, ``test_evaluator`` and
+``num_classes``: those five replace the row's whole (nothing of the row's dataset is merged into
+them), every other key the file sets is merged into the row's config, and ``num_classes`` goes to the
+model's head and data preprocessor. The figures' title is the data config's ``dataset_name`` if it sets
+one, else the training dataset's type and its root folder's name; their chance line is at
+100 / the head's ``num_classes``.
+
+Every row trains through ``tools/train.py`` (one process per run, its log under the work dir) from the
+row's config with the data applied, written to ``<work dir>/<row>/config.py``. ``--epochs`` sets every
+run's length alike (the configs' second scheduler ends with it); each seed sets mmengine's
+``randomness.seed`` (initialisation and shuffling; the data is the same).
+
+After the runs, the tool times one training step of each row (forward, backward and optimizer step
+of the model its config builds, with its optimizer, on random images in a batch of its
+``train_dataloader.batch_size`` at the size its training pipeline gives) on the CPU with one thread:
+rows take turns, 2 warm-up steps each, then the median of ``--timing-repeats`` steps. ``--no-timing``
+skips it: the table then says "not measured" and the figure plots top-1 against parameters.
+
+A run that finished before in the work dir with the same config and overrides (its ``run.json``) is
+reused, not trained again, and a size it was tested at is not tested again: an interrupted study goes
+on where it stopped. A run's folder that holds anything else (an interrupted run, or one of another
+config) is moved to ``<seed folder>.before-<time>`` and the run trained afresh. Delete a run's folder
+to rerun it. Writes to the work dir: ``comparison.json`` (every run: validation top-1 per epoch,
+parameters, wall time, top-1 per test size, and ``logged_step_time_s``, the median step time over
+mmengine's logged windows of the run, which other jobs on the machine inflate; the table, the step
+timing and the figures' labels), ``comparison.md`` (the tables: mean ± standard deviation over seeds
+with their number, the range, and per seed the first epoch at 95% top-1) and ``comparison.png``
+(validation top-1 per epoch, and final top-1 against step time); a study with test sizes adds
+``resolution.png`` (top-1 against test size, a band over seeds) and ``resolution.log``.
 """
 import argparse
+import copy
 import functools
 import hashlib
 import importlib.util
@@ -53,123 +90,76 @@ import sys
 import time
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
-
-from typing import NamedTuple, Optional
+from typing import Dict, Optional, Sequence
 
 from _common import REPO_ROOT, logged_scalars
+from _step_timing import WARMUP_STEPS, batch_and_size, step_timing_note, time_training_steps
+from _study import (STUDIES, Row, build_model, builtin_studies, config_file, load_data, load_study, planned_rows,
+                    row_config, study_of_configs, with_options)
 from mmengine.config import Config, DictAction
-from mmengine.registry import init_default_scope
 
-
-class Row(NamedTuple):
-    """One model of an experiment: its config (under configs/), what it is, and the row whose
-    trained checkpoint it starts from (None: from scratch)."""
-    config: str
-    label: str
-    start_from: Optional[str] = None
-
-
-def _finetune(phi: str, label: str) -> Row:
-    return Row(f'swap/deit-t_finetune-{phi}_shapes.py', f'DeiT-T fine-tuned, + {label}', start_from='deit_t')
-
-
-EXPERIMENTS = {
-    'table2': {  # PerViT Table 2, from scratch
-        'deit_t_none': Row('deit_t_none_shapes.py', 'DeiT-T (abs. embedding)'),
-        'deit_t_peg': Row('deit_t_peg_shapes.py', 'DeiT-T + CPVT (PEG)'),
-        'deit_t_irpe': Row('deit_t_irpe_shapes.py', 'DeiT-T + iRPE-K'),
-        'deit_t_peripheral': Row('deit_t_peripheral_shapes.py', 'DeiT-T + PPE (peripheral)'),
-        'pervit_t': Row('pervit_t_shapes.py', 'PerViT-T'),
-    },
-    'schemes': {  # the positional schemes of later ViTs in the same DeiT-T, from scratch
-        'deit_t_none': Row('deit_t_none_shapes.py', 'DeiT-T (abs. embedding)'),
-        'deit_t_rope': Row('deit_t_rope_shapes.py', 'DeiT-T + RoPE-Mixed (rope)'),
-        'deit_t_rpb': Row('deit_t_rpb_shapes.py', 'DeiT-T + bias table (rpb)'),
-        'deit_t_alibi': Row('deit_t_alibi_shapes.py', 'DeiT-T + 2D ALiBi (alibi)'),
-        'deit_t_gpsa': Row('deit_t_gpsa_shapes.py', 'DeiT-T + GPSA (gpsa)'),
-        'convit_t': Row('convit_t_shapes.py', 'ConViT-T-like (gpsa in blocks 0-9)'),
-    },
-    'swap': {  # mmpretrain's DeiT-T, then each Φp swapped in and fine-tuned from its checkpoint
-        'deit_t': Row('swap/deit-t_shapes.py', "mmpretrain's DeiT-T (abs. embedding), from scratch"),
-        'finetune_none': _finetune('none', "plain attention ('none')"),
-        'finetune_peg': _finetune('peg', 'CPVT (PEG)'),
-        'finetune_irpe': _finetune('irpe', 'iRPE-K'),
-        'finetune_peripheral': _finetune('peripheral', 'PPE (peripheral)'),
-    },
-}
-ABLATION_CONFIGS = 'ablations/shapes/pervit-t_{}_shapes.py'
-EXPERIMENTS['ablations'] = {  # PerViT Table 1 (a)-(c) and Table 5 (Φp inits, Φp designs), PerViT-T at half width
-    'a': Row(ABLATION_CONFIGS.format('components-a'), '(a) PerViT-T, peripheral init'),
-    'b': Row(ABLATION_CONFIGS.format('components-b'), '(b) without Φp'),
-    'c': Row(ABLATION_CONFIGS.format('components-c'), '(c) without Φc'),
-    'init_conv': Row(ABLATION_CONFIGS.format('init-conv'), '(a), conv init'),
-    'init_rand': Row(ABLATION_CONFIGS.format('init-rand'), '(a), rand init'),
-    'design_euc_ml': Row(ABLATION_CONFIGS.format('design-euc-ml'), '(a), Φp Euc + ML'),
-    'design_euc': Row(ABLATION_CONFIGS.format('design-euc'), '(a), Φp Euc'),
-    'design_lrn_n_ml': Row(ABLATION_CONFIGS.format('design-lrn-n-ml'), '(a), Φp Lrn + N + ML'),
-    'design_lrn_ml': Row(ABLATION_CONFIGS.format('design-lrn-ml'), '(a), Φp Lrn + ML'),
-    'design_lrn': Row(ABLATION_CONFIGS.format('design-lrn'), '(a), Φp Lrn'),
-}
-STUDY_CONFIGS = 'study/deit-t-half_{}_shapes.py'
-EXPERIMENTS['resolution'] = {  # CPVT Table 3's last column: trained at 64 x 64, tested at other sizes as they are
-    'none': Row(STUDY_CONFIGS.format('none'), 'no position (plain attention, no embedding)'),
-    'ape': Row(STUDY_CONFIGS.format('ape'), 'APE (learned absolute embedding)'),
-    'peg': Row(STUDY_CONFIGS.format('peg'), 'CPVT (PEG), no APE'),
-    'irpe': Row(STUDY_CONFIGS.format('irpe'), 'iRPE-K + APE'),
-    'peripheral': Row(STUDY_CONFIGS.format('peripheral'), 'PPE (peripheral) + APE'),
-    'pervit_t': Row('study/pervit-t-half_shapes.py', 'PerViT-T (conv stem, CPE, peripheral)'),
-    'rope': Row(STUDY_CONFIGS.format('rope'), 'RoPE-Mixed, no APE'),
-    'rpb': Row(STUDY_CONFIGS.format('rpb'), 'bias table (rpb), no APE'),
-    'alibi': Row(STUDY_CONFIGS.format('alibi'), '2D ALiBi, no APE'),
-    'gpsa': Row(STUDY_CONFIGS.format('gpsa'), 'GPSA + APE'),
-}
-TEST_GRID_FACTORS = (0.5, 0.75, 1.0, 1.5, 2.0)  # test sizes of the resolution experiment, times the training size
-MEASURED_EXPERIMENTS = {'ablations'}  # their runs are analysed (tools/analyze.py) after training
+DEFAULT_STUDY = 'table2'
 ANALYSED_IMAGES = 256
-# The inits that a fine-tune's starting checkpoint goes to: the swapped backbone's and the head's.
-STARTING_CHECKPOINT_KEYS = ('model.backbone.backbone.init_cfg.checkpoint', 'model.head.init_cfg.checkpoint')
 TARGET_TOP1 = 95.0  # "epochs to reach": how fast each row learns, where most end near 100%
 SKIPPED_LOGGED_WINDOWS = 1  # the first logged window of each run holds warm-up (allocation, first batches)
 RUN_RECORD = 'run.json'  # per finished run: what read_run found and the wall time; lets a rerun reuse it
+RUN_CONFIG = 'config.py'  # per row: the config its runs train, the data applied
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description='Train each row of an experiment on the embedded set with one budget')
-    parser.add_argument('--experiment', choices=list(EXPERIMENTS), default='table2',
-                        help="table2: PerViT Table 2's rows from scratch; schemes: later ViTs' positional schemes "
-                             "in DeiT-T, and ConViT-T; swap: DeiT-T, then a fine-tune per Φp; "
-                             "ablations: PerViT's components, Φp initialisations and designs, half width; resolution: each Φp "
-                             "at half width, trained at 64 px and tested at 0.5-2x that size")
-    parser.add_argument('--rows', nargs='+', help="rows to train (default: all of the experiment's; a row that "
+    parser = argparse.ArgumentParser(description='Train each row of a study with one budget and compare them '
+                                                 '(studies: see the docstring of tools/compare_phis.py)')
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument('--experiment', choices=builtin_studies(),
+                        help=f"a built-in study, a file of configs/studies/ (default: {DEFAULT_STUDY}). table2: "
+                             "PerViT Table 2's rows from scratch; schemes: later ViTs' positional schemes in DeiT-T, "
+                             "and ConViT-T; swap: DeiT-T, then a fine-tune per Φp; ablations: PerViT's components, "
+                             "Φp initialisations and designs, half width; resolution: each Φp at half width, trained "
+                             "at 64 px and tested at 0.5-2x that size")
+    source.add_argument('--study', dest='study_file', metavar='FILE', help='a study file of your own')
+    source.add_argument('--configs', nargs='+', metavar='CONFIG',
+                        help='config files to compare, each a row named by its file name')
+    parser.add_argument('--data', metavar='DATA_CONFIG',
+                        help="a config defining train/val/test_dataloader, val/test_evaluator and num_classes, "
+                             "given to every row in place of its own data (and the study's)")
+    parser.add_argument('--rows', nargs='+', help="rows to train (default: all of the study's; a row that "
                                                   'starts from another trains that one too)')
     parser.add_argument('--seeds', nargs='+', type=int, default=[0], help='one run per row and seed')
-    parser.add_argument('--epochs', type=int, help="epochs per run (default: the configs', 10 from scratch, 5 to fine-tune)")
-    parser.add_argument('--work-dir', help='runs, table and plot go here (default: work_dirs/compare_phis, '
-                                           'and its swap/ folder for the swap experiment)')
+    parser.add_argument('--epochs', type=int, help="epochs per run (default: the configs')")
+    parser.add_argument('--work-dir', help="runs, tables and figures go here (default: the study's work_dir, "
+                                           'else work_dirs/compare_phis/<study name>)')
+    parser.add_argument('--no-timing', action='store_true',
+                        help='do not time a training step of each row after the runs')
+    parser.add_argument('--timing-repeats', type=int, default=5,
+                        help=f'timed training steps per row, after {WARMUP_STEPS} warm-up steps; '
+                             'the table gives the median')
     parser.add_argument('--cfg-options', nargs='+', action=DictAction, default={},
-                        help='further overrides, the same for every run (e.g. train_dataloader.dataset.num_images=600)')
+                        help='further overrides, the same for every run, applied after --data '
+                             '(e.g. train_dataloader.batch_size=32)')
     args = parser.parse_args(argv)
-    rows = EXPERIMENTS[args.experiment]
+    try:
+        if args.study_file:
+            args.study = load_study(args.study_file)
+        elif args.configs:
+            args.study = study_of_configs(args.configs)
+        else:
+            args.study = load_study(STUDIES / f'{args.experiment or DEFAULT_STUDY}.py')
+        if args.data:
+            args.study = args.study._replace(data=config_file(args.data, Path.cwd()))
+        if args.study.data:
+            load_data(args.study.data)
+    except (ValueError, FileNotFoundError) as error:
+        parser.error(str(error))
+    rows = args.study.rows
     unknown = sorted(set(args.rows or ()) - set(rows))
     if unknown:
-        parser.error(f'no row {", ".join(unknown)} in the {args.experiment} experiment; its rows: {", ".join(rows)}')
+        parser.error(f'no row {", ".join(unknown)} in the {args.study.name} study; its rows: {", ".join(rows)}')
     if args.epochs is not None and args.epochs < 2:
         parser.error(f'--epochs must be >= 2 (one warm-up epoch, then the cosine decay), got {args.epochs}')
-    args.work_dir = args.work_dir or ('work_dirs/compare_phis' + ('' if args.experiment == 'table2'
-                                                                  else f'/{args.experiment}'))
+    if args.timing_repeats < 1:
+        parser.error(f'--timing-repeats must be >= 1 (or pass --no-timing), got {args.timing_repeats}')
+    args.work_dir = args.work_dir or args.study.work_dir
     return args
-
-
-def planned_rows(args) -> list:
-    """The rows to train, in the experiment's order, with every row a chosen one starts from."""
-    rows = EXPERIMENTS[args.experiment]
-    chosen = set(args.rows or rows)
-    chosen |= {rows[name].start_from for name in chosen if rows[name].start_from}
-    return [name for name in rows if name in chosen]
-
-
-def config_path(config: str) -> Path:
-    return REPO_ROOT / 'configs' / config
 
 
 def last_checkpoint(run_dir: Path) -> Path:
@@ -181,42 +171,26 @@ def last_checkpoint(run_dir: Path) -> Path:
     return path if path.is_absolute() else REPO_ROOT / path
 
 
-def overrides(args, seed: int, starting_checkpoint: Optional[Path] = None) -> list:
-    """``--cfg-options`` for one run: the seed, the budget, the checkpoint it starts from (if any),
-    and the user's extra overrides."""
-    options = dict(args.cfg_options, **{'randomness.seed': seed})
+def overrides(args, seed: int, row: Row, starting_checkpoint: Optional[Path] = None) -> list:
+    """``--cfg-options`` for one run: the user's, then the row's own ``options``, the seed, the budget
+    and the checkpoint it starts from (if any, in the row's ``checkpoint_keys``)."""
+    options = dict(args.cfg_options, **dict(row.options), **{'randomness.seed': seed})
     if args.epochs is not None:
         options.update({'train_cfg.max_epochs': args.epochs, 'param_scheduler.1.end': args.epochs})
     if starting_checkpoint is not None:
-        options.update(dict.fromkeys(STARTING_CHECKPOINT_KEYS, str(starting_checkpoint)))
+        options.update(dict.fromkeys(row.checkpoint_keys, str(starting_checkpoint)))
     return [f'{key}={value}' for key, value in options.items()]
 
 
-def parsed_options(options: list) -> dict:
-    """``key=value`` overrides as tools/train.py's ``--cfg-options`` reads them (numbers, lists, tuples)."""
-    return {key: DictAction._parse_iterable(value) for key, value in (option.split('=', 1) for option in options)}
+def count_parameters(cfg: Config) -> int:
+    return sum(p.numel() for p in build_model(cfg).parameters())
 
 
-def row_config(row: Row, options: list) -> Config:
-    """The row's config with the run's ``--cfg-options`` applied, as tools/train.py reads them."""
-    cfg = Config.fromfile(config_path(row.config))
-    cfg.merge_from_dict(parsed_options(options))
-    return cfg
-
-
-def count_parameters(row: Row, options: list) -> int:
-    from mmpretrain.registry import MODELS
-    cfg = row_config(row, options)
-    init_default_scope(cfg.default_scope)
-    from posattn_openmmlab import posattn_checkpoint_loading
-    with posattn_checkpoint_loading():  # a swap row starts from a checkpoint of our own training
-        return sum(p.numel() for p in MODELS.build(cfg.model).parameters())
-
-
-def train(row: Row, options: list, work_dir: Path) -> float:
-    """Runs tools/train.py, echoing each validation line; returns the wall time in seconds."""
+def train(row: Row, config: Path, options: list, work_dir: Path) -> float:
+    """Runs tools/train.py on ``config`` (the row's, data applied), echoing each validation line; returns
+    the wall time in seconds."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, str(REPO_ROOT / 'tools' / 'train.py'), str(config_path(row.config)),
+    command = [sys.executable, str(REPO_ROOT / 'tools' / 'train.py'), str(config),
                '--work-dir', str(work_dir), '--cfg-options', *options]
     start = time.perf_counter()
     with open(work_dir / 'train.log', 'w') as log:
@@ -231,12 +205,12 @@ def train(row: Row, options: list, work_dir: Path) -> float:
     return time.perf_counter() - start
 
 
-def measure_nonlocality(row: Row, options: list, run_dir: Path) -> dict:
+def measure_nonlocality(row: Row, config: Path, options: list, run_dir: Path) -> dict:
     """Runs tools/analyze.py on the run's last checkpoint (``ANALYSED_IMAGES`` validation images,
     its figures under ``run_dir/analysis``); returns Ω of Φp and of Φa per layer, means over heads
     (Φp's None where a layer has no positional bias)."""
     out = run_dir / 'analysis'
-    command = [sys.executable, str(REPO_ROOT / 'tools' / 'analyze.py'), str(config_path(row.config)),
+    command = [sys.executable, str(REPO_ROOT / 'tools' / 'analyze.py'), str(config),
                str(last_checkpoint(run_dir)), '--out', str(out), '--num-images', str(ANALYSED_IMAGES),
                '--cfg-options', *options]
     with open(run_dir / 'analyze.log', 'w') as log:
@@ -258,21 +232,20 @@ def _test_tool():
     return module
 
 
-def test_sizes(row: Row, options: list) -> list:
-    """The image sides the resolution experiment tests a row at: its config's test size times each of
-    ``TEST_GRID_FACTORS``, which must give whole pixels."""
-    trained = _test_tool().config_test_size(row_config(row, options))
+def test_sizes(cfg: Config, factors: Sequence[float], where: str) -> list:
+    """The image sides a row is tested at: its config's test size times each of ``factors``, which
+    must give whole pixels."""
+    trained = _test_tool().config_test_size(cfg)
     if trained is None or trained[0] != trained[1]:
-        raise ValueError(f'{row.config}: the resolution experiment needs a square test size in the config, got '
-                         f'{trained}')
-    sizes = [trained[0] * factor for factor in TEST_GRID_FACTORS]
+        raise ValueError(f'{where}: testing at other sizes needs a square test size in the config, got {trained}')
+    sizes = [trained[0] * factor for factor in factors]
     if any(size != int(size) for size in sizes):
-        raise ValueError(f'{row.config}: a test size of {trained[0]} pixels times {TEST_GRID_FACTORS} is not a '
+        raise ValueError(f'{where}: a test size of {trained[0]} pixels times {tuple(factors)} is not a '
                          f'whole number of pixels each time')
     return [int(size) for size in sizes]
 
 
-def evaluate_at_sizes(row: Row, options: list, run_dir: Path, sizes: list, log) -> dict:
+def evaluate_at_sizes(config: Path, options: list, run_dir: Path, sizes: list, log) -> dict:
     """Top-1 of the run's last checkpoint at each of ``sizes`` (``test_sizes``), without fine-tuning:
     tools/test.py ``--img-size`` in this process, its output to ``log``. Returns {side in pixels
     (str): top-1}; a size measured before (its JSON under ``run_dir/resolution``) is read, not
@@ -282,7 +255,7 @@ def evaluate_at_sizes(row: Row, options: list, run_dir: Path, sizes: list, log) 
     for size in sizes:
         out = out_dir / f'top1_at_{size}.json'
         if not out.is_file():
-            argv = [str(config_path(row.config)), str(last_checkpoint(run_dir)), '--img-size', str(size),
+            argv = [str(config), str(last_checkpoint(run_dir)), '--img-size', str(size),
                     '--work-dir', str(out_dir), '--out', str(out), '--cfg-options', *options]
             with redirect_stdout(log), redirect_stderr(log):
                 tool.main(argv)
@@ -291,18 +264,18 @@ def evaluate_at_sizes(row: Row, options: list, run_dir: Path, sizes: list, log) 
 
 
 def read_run(work_dir: Path) -> dict:
-    """Validation top-1 per epoch and mean step time, from the run's mmengine scalars (every log
-    folder in time order: a run that was resumed has one per start)."""
+    """Validation top-1 per epoch and the median step time over the logged windows (None: too few
+    logged), from the run's mmengine scalars (every log folder in time order: a run that was resumed
+    has one per start)."""
     rows = logged_scalars(work_dir)
     if not rows:
         raise FileNotFoundError(f'no mmengine scalars under {work_dir}')
     accuracy = [row['accuracy/top1'] for row in rows if 'accuracy/top1' in row]
+    if not accuracy:
+        raise ValueError(f'the scalars logged under {work_dir} hold no validation top-1 (accuracy/top1): '
+                         'the runs need a val_dataloader and an Accuracy val_evaluator')
     step_times = [row['time'] for row in rows if 'loss' in row][SKIPPED_LOGGED_WINDOWS:]
-    if not accuracy or not step_times:
-        raise ValueError(f'the scalars logged under {work_dir} have no validation or too few logged iterations '
-                         'to time')
-    # the median over logged windows: a window in which another job took the cores is an outlier
-    return dict(top1_per_epoch=accuracy, step_time_s=statistics.median(step_times))
+    return dict(top1_per_epoch=accuracy, logged_step_time_s=statistics.median(step_times) if step_times else None)
 
 
 def set_aside(run_dir: Path) -> Optional[Path]:
@@ -321,10 +294,10 @@ def set_aside(run_dir: Path) -> Optional[Path]:
     return aside
 
 
-def config_digest(row: Row, options: list) -> str:
-    """A fingerprint of the config the run trains, ``--cfg-options`` applied: a run recorded with
-    another one (the config file or a base it inherits was edited since) is trained again."""
-    cfg = Config.fromfile(config_path(row.config))
+def config_digest(cfg: Config, options: list) -> str:
+    """A fingerprint of the config a run trains, ``--cfg-options`` applied: a run recorded with
+    another one (the config file, a base it inherits or the data was edited since) is trained again."""
+    cfg = copy.deepcopy(cfg)
     cfg.merge_from_dict(dict(option.split('=', 1) for option in options))  # as written: a fingerprint only
     return hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -336,11 +309,38 @@ def finished_run(work_dir: Path, options: list, digest: str):
     if not path.is_file():
         return None
     run = json.loads(path.read_text())
+    if 'step_time_s' in run:  # the logged windows' median, under the name older records give it
+        run['logged_step_time_s'] = run.pop('step_time_s')
     return run if run.get('options') == options and run.get('config_digest') == digest else None
 
 
-def summarise(runs: list, rows: dict) -> list:
-    """One line per row: means (and spread) over its seeds."""
+def dataset_name(cfg: Config) -> str:
+    """The name the figures give the config's data: its ``dataset_name``, else the training dataset's
+    type (inside any dataset wrappers) and the name of its root folder (data_root, else data_prefix)."""
+    if cfg.get('dataset_name'):
+        return cfg.dataset_name
+    dataset = cfg.train_dataloader.dataset
+    while 'dataset' in dataset:  # RepeatDataset, ClassBalancedDataset, ...
+        dataset = dataset.dataset
+    kind = getattr(dataset.type, '__name__', dataset.type)
+    root = dataset.get('data_root') or dataset.get('data_prefix') or ''
+    if isinstance(root, dict):
+        root = root.get('img_path', '')
+    folder = Path(root).name
+    return f'{kind} ({folder})' if folder else kind
+
+
+def figure_labels(configs: Dict[str, Config], timing: Optional[dict]) -> dict:
+    """What the figures say about the data and the timing, read from the rows' configs: the data's name,
+    the chance top-1 (100 / the head's classes) and the step-time axis (None: not timed)."""
+    names = dict.fromkeys(dataset_name(cfg) for cfg in configs.values())
+    classes = dict.fromkeys(cfg.model.head.num_classes for cfg in configs.values())
+    axis = None if timing is None else f'training step time (ms; {"; ".join(batch_and_size(timing))}; CPU, 1 thread)'
+    return dict(dataset=' / '.join(names), chance_top1=[100 / count for count in classes], step_time_axis=axis)
+
+
+def summarise(runs: list, rows: Dict[str, Row], timing: Optional[dict] = None) -> list:
+    """One line per row: means (and spread) over its seeds, and its measured step time (None: not timed)."""
     table = []
     for row in dict.fromkeys(run['row'] for run in runs):
         mine = [run for run in runs if run['row'] == row]
@@ -352,8 +352,8 @@ def summarise(runs: list, rows: dict) -> list:
             best_top1=statistics.fmean(max(run['top1_per_epoch']) for run in mine),
             epochs_to_target=[next((epoch for epoch, top1 in enumerate(run['top1_per_epoch'], 1) if top1 >= TARGET_TOP1),
                                    None) for run in mine],
-            nonlocality=_mean_nonlocality(mine),
-            params_m=mine[0]['params'] / 1e6, step_time_ms=1e3 * statistics.fmean(run['step_time_s'] for run in mine),
+            nonlocality=_mean_nonlocality(mine), params_m=mine[0]['params'] / 1e6,
+            step_time_ms=None if timing is None else 1e3 * timing[row]['step_time_s'],
             wall_min=statistics.fmean(run['wall_s'] for run in mine) / 60, epochs=len(mine[0]['top1_per_epoch']),
         ))
     return table
@@ -385,16 +385,17 @@ def markdown(table: list, runs: list) -> str:
         finals = [run['top1_per_epoch'][-1] for run in runs if run['row'] == line['row']]
         spread = '-' if line['top1_spread'] is None else f'{line["top1_spread"]:.1f}'
         reached = ', '.join('-' if epoch is None else str(epoch) for epoch in line['epochs_to_target'])
+        step_time = 'not measured' if line['step_time_ms'] is None else f'{line["step_time_ms"]:.0f}'
         lines.append(f'| {line["model"]} | `{line["config"]}` | {line["params_m"]:.2f} | {line["epochs"]} '
                      f'| {mean_std(finals)} | {spread} | {line["best_top1"]:.1f} | {reached} '
-                     f'| {line["step_time_ms"]:.0f} | {line["wall_min"]:.1f} |')
+                     f'| {step_time} | {line["wall_min"]:.1f} |')
     return '\n'.join(lines) + '\n'
 
 
-def resolution_markdown(table: list, runs: list) -> str:
-    """Top-1 per row at each test size, mean ± std over seeds (the resolution experiment)."""
+def resolution_markdown(table: list, runs: list, factors: Sequence[float]) -> str:
+    """Top-1 per row at each test size, mean ± std over seeds."""
     sizes = list(runs[0]['top1_at_size'])
-    lines = ['| model | ' + ' | '.join(f'{factor:g}x: {size} px' for factor, size in zip(TEST_GRID_FACTORS, sizes))
+    lines = ['| model | ' + ' | '.join(f'{factor:g}x: {size} px' for factor, size in zip(factors, sizes))
              + ' |', '|---|' + '---|' * len(sizes)]
     for line in table:
         mine = [run for run in runs if run['row'] == line['row']]
@@ -417,11 +418,18 @@ def nonlocality_markdown(table: list) -> str:
     return '\n'.join(lines) + '\n'
 
 
-def plot(runs: list, table: list, rows: dict, path: Path) -> None:
+def _pyplot():
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
+    return plt
 
+
+def comparison_figure(runs: list, table: list, rows: Dict[str, Row], labels: dict):
+    """Validation top-1 per epoch (one curve per run, the chance line of ``labels``), final top-1
+    against the measured step time (against parameters where not timed) and, for analysed rows,
+    Ω per layer; ``labels`` are ``figure_labels``'s."""
+    plt = _pyplot()
     measured = [line for line in table if line['nonlocality']]
     if measured:
         fig, axes = plt.subplots(2, 2, figsize=(10, 7.6))
@@ -436,15 +444,18 @@ def plot(runs: list, table: list, rows: dict, path: Path) -> None:
         label = None if run['row'] in labelled else rows[run['row']].label
         labelled.add(run['row'])
         curves.plot(epochs, run['top1_per_epoch'], color=colours[run['row']], marker='.', label=label)
-    curves.axhline(100 / 6, color='grey', linestyle=':', linewidth=1, label='chance')
-    curves.set(xlabel='epoch', ylabel='validation top-1 (%)', title='PositionalShapes')
+    for chance in labels['chance_top1']:
+        curves.axhline(chance, color='grey', linestyle=':', linewidth=1, label=f'chance ({chance:.3g}%)')
+    curves.set(xlabel='epoch', ylabel='validation top-1 (%)', title=labels['dataset'])
     curves.legend(fontsize=7)
+    timed = labels['step_time_axis'] is not None
     for index, line in enumerate(table):  # labels alternately above and below, so neighbours do not overlap
-        scatter.scatter(line['step_time_ms'], line['top1'], color=colours[line['row']], s=40)
-        scatter.annotate(f'{line["model"]}\n{line["params_m"]:.1f} M', (line['step_time_ms'], line['top1']),
+        x = line['step_time_ms'] if timed else line['params_m']
+        scatter.scatter(x, line['top1'], color=colours[line['row']], s=40)
+        scatter.annotate(f'{line["model"]}\n{line["params_m"]:.1f} M', (x, line['top1']),
                          fontsize=7, xytext=(4, 4 if index % 2 == 0 else -20), textcoords='offset points')
-    scatter.set(xlabel='training step time (ms, batch 64, CPU)', ylabel='final validation top-1 (%)',
-                title='accuracy vs. cost')
+    scatter.set(xlabel=labels['step_time_axis'] if timed else 'parameters (M)', ylabel='final validation top-1 (%)',
+                title='accuracy vs. cost' if timed else 'accuracy vs. size (step time not measured)')
     scatter.margins(0.25)
     if measured:  # the paper's Fig. A8: Ω per layer of Φa, and of Φp (unnormalised, on its own scale)
         for axis, key, name in ((axes[2], 'mixed', 'Φa'), (axes[3], 'position', 'Φp')):
@@ -456,17 +467,14 @@ def plot(runs: list, table: list, rows: dict, path: Path) -> None:
             axis.set(xlabel='layer', ylabel=f'nonlocality Ω of {name} (Eq. 13)', title=f'{name}, mean over heads and seeds')
             axis.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    return fig
 
 
-def plot_resolution(table: list, runs: list, path: Path) -> None:
+def resolution_figure(table: list, runs: list, factors: Sequence[float], labels: dict):
     """Top-1 against the test size (times the training size) per row: the mean over seeds as a line,
     the seeds' lowest to highest as a band."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    from posattn.analysis.figures import DEFAULT_DPI, FIGURE_STYLE
+    plt = _pyplot()
+    from posattn.analysis.figures import FIGURE_STYLE
 
     sizes = list(runs[0]['top1_at_size'])
     with plt.rc_context(FIGURE_STYLE):
@@ -475,71 +483,97 @@ def plot_resolution(table: list, runs: list, path: Path) -> None:
             per_seed = [[run['top1_at_size'][size] for size in sizes] for run in runs if run['row'] == line['row']]
             by_size = list(zip(*per_seed))
             colour = f'C{index % 10}'  # ten rows at most: one colour each
-            axis.plot(TEST_GRID_FACTORS, [statistics.fmean(values) for values in by_size], color=colour, marker='o',
+            axis.plot(factors, [statistics.fmean(values) for values in by_size], color=colour, marker='o',
                       label=f'{line["model"]} ({len(per_seed)} seeds)')
-            axis.fill_between(TEST_GRID_FACTORS, [min(values) for values in by_size],
+            axis.fill_between(factors, [min(values) for values in by_size],
                               [max(values) for values in by_size], color=colour, alpha=0.15, linewidth=0)
         axis.axvline(1.0, color='grey', linewidth=1, linestyle=':')
-        axis.axhline(100 / 6, color='grey', linewidth=1, linestyle=':', label='chance')
-        axis.set_xticks(TEST_GRID_FACTORS, [f'{factor:g}x\n{size} px' for factor, size in zip(TEST_GRID_FACTORS, sizes)])
+        for chance in labels['chance_top1']:
+            axis.axhline(chance, color='grey', linewidth=1, linestyle=':', label=f'chance ({chance:.3g}%)')
+        axis.set_xticks(factors, [f'{factor:g}x\n{size} px' for factor, size in zip(factors, sizes)])
         axis.set(xlabel='test size, times the training size (no fine-tuning)', ylabel='validation top-1 (%)',
-                 title='PositionalShapes at other input sizes: mean over seeds, band from lowest to highest')
+                 title=f'{labels["dataset"]} at other input sizes: mean over seeds, band from lowest to highest')
         axis.legend(fontsize=9, loc='upper left', bbox_to_anchor=(1.01, 1))  # beside the axes, clear of the lines
         fig.tight_layout()
-        fig.savefig(path, dpi=DEFAULT_DPI)
-        plt.close(fig)
+    return fig
+
+
+def save_figure(fig, path: Path, dpi: int) -> None:
+    fig.savefig(path, dpi=dpi)
+    _pyplot().close(fig)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    work_dir = Path(args.work_dir)
+    study, work_dir = args.study, Path(args.work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
-    rows = EXPERIMENTS[args.experiment]
-    plan = [(name, seed) for name in planned_rows(args) for seed in args.seeds]
+    rows, data = study.rows, load_data(study.data) if study.data else None
+    planned = planned_rows(study, args.rows)
+    configs, config_files, run_configs = {}, {}, {}  # per row: its config, that config's file, one run's config
+    for name in planned:
+        configs[name], config_files[name] = row_config(rows[name], data), work_dir / name / RUN_CONFIG
+        config_files[name].parent.mkdir(parents=True, exist_ok=True)
+        configs[name].dump(config_files[name])
+    plan = [(name, seed) for name in planned for seed in args.seeds]
     runs, run_dirs = [], {}
     for index, (name, seed) in enumerate(plan, 1):
-        row, run_dir = rows[name], work_dir / name / f'seed{seed}'
+        row, run_dir, config = rows[name], work_dir / name / f'seed{seed}', config_files[name]
         run_dirs[name, seed] = run_dir
         print(f'[{index}/{len(plan)}] {row.label} ({row.config}), seed {seed}: log {run_dir / "train.log"}', flush=True)
         start = last_checkpoint(run_dirs[row.start_from, seed]) if row.start_from else None
-        options = overrides(args, seed, start)
-        digest = config_digest(row, options)
+        options = overrides(args, seed, row, start)
+        if name not in run_configs:  # the first seed's: what the tests at other sizes and the step timing read
+            run_configs[name] = with_options(configs[name], options)
+        digest = config_digest(configs[name], options)
         run = finished_run(run_dir, options, digest)
         if run is not None:
             print(f'    finished before with the same config and settings: reusing {run_dir / RUN_RECORD}')
         else:
             set_aside(run_dir)
-            wall = train(row, options, run_dir)
+            wall = train(row, config, options, run_dir)
             run = dict(row=name, seed=seed, options=options, config_digest=digest,
-                       params=count_parameters(row, options), wall_s=wall, **read_run(run_dir))
+                       params=count_parameters(with_options(configs[name], options)), wall_s=wall, **read_run(run_dir))
             (run_dir / RUN_RECORD).write_text(json.dumps(run, indent=1))
-        if args.experiment in MEASURED_EXPERIMENTS and 'nonlocality' not in run:
-            run['nonlocality'] = measure_nonlocality(row, options, run_dir)
+        if study.analyse and 'nonlocality' not in run:
+            run['nonlocality'] = measure_nonlocality(row, config, options, run_dir)
             (run_dir / RUN_RECORD).write_text(json.dumps(run, indent=1))
-        sizes = test_sizes(row, options) if args.experiment == 'resolution' else []
+        sizes = test_sizes(run_configs[name], study.test_size_factors, row.config) if study.test_size_factors else []
         if sizes and list(run.get('top1_at_size', ())) != list(map(str, sizes)):
             with open(work_dir / 'resolution.log', 'a') as log:
-                run['top1_at_size'] = evaluate_at_sizes(row, options, run_dir, sizes, log)
+                run['top1_at_size'] = evaluate_at_sizes(config, options, run_dir, sizes, log)
             (run_dir / RUN_RECORD).write_text(json.dumps(run, indent=1))
             print('    top-1 at ' + ', '.join(f'{size} px {top1:.1f}%' for size, top1 in run['top1_at_size'].items()),
                   flush=True)
         runs.append(run)
         print(f'    top-1 {run["top1_per_epoch"][-1]:.1f}% after {len(run["top1_per_epoch"])} epochs, '
-              f'{1e3 * run["step_time_s"]:.0f} ms/step, {run["wall_s"] / 60:.1f} min', flush=True)
+              f'{run["wall_s"] / 60:.1f} min', flush=True)
 
-    table = summarise(runs, rows)
+    timing = None
+    if not args.no_timing:
+        print(f'timing a training step of each row (CPU, 1 thread, {WARMUP_STEPS} warm-up and '
+              f'{args.timing_repeats} timed steps each, the rows in turn)', flush=True)
+        timing = time_training_steps(run_configs, args.timing_repeats)
+    table = summarise(runs, rows, timing)
+    labels = figure_labels(run_configs, timing)
+    note = step_timing_note(timing, args.timing_repeats)
     command = 'python tools/compare_phis.py ' + ' '.join(sys.argv[1:] if argv is None else argv)
-    (work_dir / 'comparison.json').write_text(json.dumps(dict(command=command.strip(), runs=runs, table=table), indent=1))
+    record = dict(command=command.strip(), study=study.name, data=None if study.data is None else str(study.data),
+                  runs=runs, table=table, step_timing=dict(note=note, rows=timing), figure=labels)
+    (work_dir / 'comparison.json').write_text(json.dumps(record, indent=1))
     measures = nonlocality_markdown(table)
-    text = markdown(table, runs) + ('\n' + measures if measures else '')
-    if args.experiment == 'resolution':
-        text += '\nTop-1 (%) at each test size, without fine-tuning:\n\n' + resolution_markdown(table, runs)
-        plot_resolution(table, runs, work_dir / 'resolution.png')
+    text = markdown(table, runs) + '\n' + note + '\n' + ('\n' + measures if measures else '')
+    if study.test_size_factors:
+        text += ('\nTop-1 (%) at each test size, without fine-tuning:\n\n'
+                 + resolution_markdown(table, runs, study.test_size_factors))
+        from posattn.analysis.figures import DEFAULT_DPI
+        save_figure(resolution_figure(table, runs, study.test_size_factors, labels), work_dir / 'resolution.png',
+                    DEFAULT_DPI)
     (work_dir / 'comparison.md').write_text(text)
-    plot(runs, table, rows, work_dir / 'comparison.png')
+    save_figure(comparison_figure(runs, table, rows, labels), work_dir / 'comparison.png', 90)
     print('\n' + text)
     print(f'wrote {work_dir / "comparison.md"}, comparison.json and comparison.png'
-          + (' and resolution.png' if args.experiment == 'resolution' else ''))
+          + (' and resolution.png' if study.test_size_factors else ''))
+
 
 if __name__ == '__main__':
     main()

@@ -1,0 +1,93 @@
+"""The training-step timing of tools/compare_phis.py: one training step of each row's model (forward,
+backward and the step of its config's optimizer) on random images at its training batch and input
+size, on the CPU with one thread; the rows take turns after a few warm-up steps each, and each row's
+time is the median of its steps, so that another job on the machine costs each row alike."""
+import copy
+import functools
+import json
+import logging
+import statistics
+import time
+from typing import Dict, Optional
+
+from _study import build_model
+from mmengine.config import Config
+from mmengine.registry import init_default_scope
+
+WARMUP_STEPS = 2  # untimed steps per row first: allocation, the optimizer's state
+
+
+def time_training_steps(configs: Dict[str, Config], repeats: int) -> Dict[str, dict]:
+    """Seconds per training step of each row's model, on the CPU with one thread: rows take turns,
+    ``WARMUP_STEPS`` untimed steps each, then ``repeats`` timed ones each, and each row's time
+    is the median of its own (a moment in which another job takes the core costs a row one sample,
+    and all rows alike). Returns {row: dict(step_time_s, batch_size, input_size=[height, width])}."""
+    import torch
+    from mmengine.logging import MMLogger
+    threads, logger = torch.get_num_threads(), MMLogger.get_current_instance()
+    level = logger.level
+    torch.set_num_threads(1)
+    logger.setLevel(logging.WARNING)  # building each model and optimizer logs what the training logs showed
+    try:
+        by_dataset, input_shapes, steps = {}, {}, {}
+        for name, cfg in configs.items():
+            dataset = json.dumps(cfg.train_dataloader.dataset.to_dict(), sort_keys=True, default=str)
+            if dataset not in by_dataset:  # rows on the same data share one look at it
+                by_dataset[dataset] = training_input_shape(cfg)
+            input_shapes[name] = by_dataset[dataset]
+            steps[name] = training_step(cfg, input_shapes[name])
+        for _ in range(WARMUP_STEPS):
+            for step in steps.values():
+                step()
+        seconds = {name: [] for name in steps}
+        for _ in range(repeats):
+            for name, step in steps.items():
+                start = time.perf_counter()
+                step()
+                seconds[name].append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+        logger.setLevel(level)
+    return {name: dict(step_time_s=statistics.median(seconds[name]), batch_size=cfg.train_dataloader.batch_size,
+                       input_size=list(input_shapes[name][-2:]))
+            for name, cfg in configs.items()}
+
+
+def training_input_shape(cfg: Config) -> tuple:
+    """(channels, height, width) of the images the config's training pipeline gives: its first sample's."""
+    from mmpretrain.registry import DATASETS
+    init_default_scope(cfg.get('default_scope', 'mmpretrain'))
+    return tuple(DATASETS.build(cfg.train_dataloader.dataset)[0]['inputs'].shape)
+
+
+def training_step(cfg: Config, input_shape: tuple):
+    """A call that makes one training step of the config's model (``train_step``: data preprocessor,
+    forward, loss, backward, the config's optimizer) on a fixed batch of random images of
+    ``input_shape`` and random labels, ``train_dataloader.batch_size`` of them."""
+    import torch
+    from mmengine.optim import build_optim_wrapper
+    from mmpretrain.structures import DataSample
+    torch.manual_seed(0)
+    model = build_model(cfg).train()
+    optim_wrapper = build_optim_wrapper(model, copy.deepcopy(cfg.optim_wrapper))
+    batch_size = cfg.train_dataloader.batch_size
+    batch = dict(inputs=torch.randint(0, 256, (batch_size, *input_shape), dtype=torch.uint8),
+                 data_samples=[DataSample().set_gt_label(int(label))
+                               for label in torch.randint(0, cfg.model.head.num_classes, (batch_size,))])
+    return functools.partial(model.train_step, batch, optim_wrapper)
+
+
+def step_timing_note(timing: Optional[dict], repeats: int) -> str:
+    """How the table's step times were measured, in words."""
+    if timing is None:
+        return 'Step time: not measured (--no-timing).'
+    return (f'Step time: one training step (forward, backward, optimizer step) of each row\'s model on random '
+            f'images, batch and input size as its training ({"; ".join(batch_and_size(timing))}), timed by '
+            f'tools/compare_phis.py after the runs on the CPU with one thread: the rows in turn, '
+            f'{WARMUP_STEPS} warm-up steps each, then the median of {repeats} steps.')
+
+
+def batch_and_size(timing: dict) -> list:
+    """The batches and input sizes the rows were timed at, each once: ['batch 64, 64 x 64 px']."""
+    return list(dict.fromkeys(f'batch {row["batch_size"]}, {row["input_size"][0]} x {row["input_size"][1]} px'
+                              for row in timing.values()))
