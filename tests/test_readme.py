@@ -3,6 +3,7 @@ import contextlib
 import copy
 import io
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -82,7 +83,10 @@ def test_make_targets_set_up_dot_venv_then_run_their_command(target):
     """`make -n -B` prints every step without running any: the environment made as .venv, the
     install into it, then the target's own command, last."""
     assert any(shlex.split(c) == ['make', target] for c in shell_commands())
-    result = subprocess.run(['make', '-n', '-B', target], cwd=REPO, capture_output=True, text=True, timeout=60)
+    # as a user's shell runs it: not as a sub-make of `make test`, whose variables would change what it prints
+    env = {key: value for key, value in os.environ.items() if key not in ('MAKEFLAGS', 'MFLAGS', 'MAKELEVEL')}
+    result = subprocess.run(['make', '--no-print-directory', '-n', '-B', target], cwd=REPO, capture_output=True,
+                            text=True, timeout=60, env=env)
     assert result.returncode == 0, result.stderr
     steps = result.stdout.strip().splitlines()
     assert any(re.fullmatch(r'\S*python\S* -m venv \.venv', step) for step in steps), steps

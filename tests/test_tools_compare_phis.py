@@ -21,7 +21,7 @@ from _study import (DATA_KEYS, STUDIES, Row, builtin_studies, load_data, load_st
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The rows each experiment had as a dictionary in the tool, before they became configs/studies/:
+# The built-in studies written out independently of configs/studies/, as docs/results.md reports them:
 # (name, config, label, start_from), and the work dir, whether runs are analysed and the test sizes.
 OLD_EXPERIMENTS = {
     'table2': ([
