@@ -51,6 +51,9 @@ def _key_mask_terms(key_mask: torch.Tensor, q: torch.Tensor) -> Tuple[torch.Tens
     Nothing is checked on the host (no GPU synchronisation).
     """
     batch, _, tokens, _ = q.shape
+    if not isinstance(key_mask, torch.Tensor):
+        raise TypeError(f'key_mask must be a bool tensor of shape (B, N) = ({batch}, {tokens}), got a '
+                        f'{type(key_mask).__name__}: pass torch.tensor(mask, dtype=torch.bool)')
     if key_mask.dtype != torch.bool or tuple(key_mask.shape) != (batch, tokens):
         raise ValueError(f'key_mask must be a bool tensor of shape (B, N) = ({batch}, {tokens}), '
                          f'got {key_mask.dtype} of shape {tuple(key_mask.shape)}')

@@ -95,6 +95,14 @@ def test_degenerate_grids_give_the_reference_values_and_gradients(phi, height, w
         torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.parametrize('phi', posattn.list_phis())
+def test_a_key_mask_that_is_no_tensor_is_refused_with_the_fix(phi):
+    layer = Attention(dim=32, num_heads=2, phi=phi, num_prefix_tokens=1)
+    with pytest.raises(TypeError, match=r'key_mask must be a bool tensor of shape \(B, N\) = \(2, 10\), got a list: '
+                                        r'pass torch.tensor\(mask, dtype=torch.bool\)'):
+        layer(torch.randn(2, 10, 32), (3, 3), key_mask=[[True] * 10] * 2)
+
+
 @pytest.mark.parametrize('kernel', [biased_attention, attention_probs])
 def test_a_bool_bias_is_refused_with_a_pointer_to_key_mask(kernel):
     q = torch.randn(2, 2, 6, 4)
