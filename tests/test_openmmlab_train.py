@@ -193,6 +193,19 @@ def test_resume_continues_at_the_next_iteration_with_the_same_state(trained, tmp
     torch.testing.assert_close(resumed['state_dict'], straight['state_dict'], rtol=0, atol=0)  # bit for bit
 
 
+def test_resuming_a_finished_training_reports_its_last_validation(trained, tmp_path):
+    """--resume of a training that had finished trains and validates nothing more: the summary gives
+    the validation its log holds."""
+    import re
+    import shutil
+    work_dir, output = trained
+    shutil.copytree(work_dir, tmp_path / 'work')
+    again = train(tmp_path / 'work', '--resume')
+    (last,) = re.findall(r'Last validation: (.+)', output)
+    assert 'accuracy/top1' in last and f'Finished {EPOCHS} epochs ({EPOCHS} iterations). Last validation: {last}' in again
+    assert [row['iter'] for row in logged(tmp_path / 'work') if 'loss' in row] == list(range(1, EPOCHS + 1))
+
+
 def test_tools_test_evaluates_the_checkpoint(trained, tmp_path):
     work_dir, _ = trained
     out = tmp_path / 'metrics.json'

@@ -299,7 +299,9 @@ def main(argv=None):
         raise SystemExit(f'tools/train.py {args.config}: {error}') from None
     if is_main_process():
         hub = runner.message_hub
-        results = ', '.join(f'{k}: {v:.4g}' for k, v in last_metrics.metrics.items()) or 'no validation run'
+        # a run that was finished before (--resume of its last checkpoint) validates nothing now: its log has it
+        results = (', '.join(f'{k}: {v:.4g}' for k, v in last_metrics.metrics.items())
+                   or last_validation(runner.work_dir))
         print(f'\n{finished_line(runner.cfg, runner.epoch, runner.iter)} Last validation: {results}')
         print(f'Last checkpoint: {hub.get_info("last_ckpt", "none saved")}')
         if hub.get_info('best_ckpt') is not None:
