@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
 
-from _common import REPO_ROOT, merge_options
+from _common import REPO_ROOT, config_value, merge_options
 from mmengine.config import Config, DictAction
 from mmengine.registry import init_default_scope
 
@@ -136,23 +136,19 @@ def check_starting_rows(rows: Dict[str, Row], where: str) -> None:
     for row in rows.values():
         if row.start_from is not None:
             cfg = Config.fromfile(str(row.path))
-            missing = [key for key in row.checkpoint_keys if not has_key(cfg.to_dict(), key)]
+            missing = [key for key in row.checkpoint_keys if not _has_key(cfg, key)]
             if missing:
                 raise ValueError(f'{where}: row {row.name!r} starts from {row.start_from!r}, but its config '
                                  f'{row.config} has no {", ".join(missing)} to take the checkpoint; set the row\'s '
                                  f"checkpoint_keys to the keys that do (e.g. ['load_from'])")
 
 
-def has_key(cfg: dict, key: str) -> bool:
+def _has_key(cfg: Config, key: str) -> bool:
     """Whether ``cfg`` has the dotted ``key`` (list items by their index, as --cfg-options writes them)."""
-    node = cfg
-    for part in key.split('.'):
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return False
+    try:
+        config_value(cfg, key)
+    except KeyError:
+        return False
     return True
 
 
