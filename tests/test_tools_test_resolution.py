@@ -22,8 +22,9 @@ from mmengine.config import Config
 from mmengine.hooks import Hook
 from mmengine.model import is_model_wrapper
 from mmengine.registry import HOOKS
-from mmpretrain.registry import TRANSFORMS
+from mmpretrain.registry import MODELS, TRANSFORMS
 
+import posattn._memory
 from conftest import REPO, run_tool
 from posattn.attention import LogitsProbe
 from posattn_openmmlab.datasets import PositionalShapes
@@ -283,6 +284,60 @@ def test_the_command_line_refuses_bad_sizes_and_unsupported_configs(capsys):
     with pytest.raises(SystemExit):
         tool.parse_args(['--help'])
     assert 'PositionalShapes is generated at N x N' in ' '.join(capsys.readouterr().out.split())
+
+
+# ---------------------------------------------------------------- sizes that cannot fit
+
+
+@pytest.fixture
+def memory_available(monkeypatch):
+    """Sets the memory posattn's checks read as available (in GiB): the refusals below do not depend
+    on the machine."""
+    def set_available(gib):
+        monkeypatch.setattr(posattn._memory, 'available_bytes', lambda device: gib << 30)
+    return set_available
+
+
+def test_a_size_whose_test_images_cannot_fit_is_refused_before_the_data_are_made(memory_available, tmp_path):
+    """--img-size 100000: a batch of 128 images is 128 x 3 x 100000^2 float32; refused before the
+    embedded set is drawn at that size and before the checkpoint (absent here) is read."""
+    memory_available(16)
+    with pytest.raises(SystemExit) as refusal:
+        tool.main(['configs/pervit_t_shapes.py', 'missing.pth', '--img-size', '100000', '--work-dir', str(tmp_path),
+                   '--cfg-options', f'experiment_name=images_{tmp_path.name}'])
+    needed = 128 * 3 * 100000 ** 2 * 4 / 2 ** 30
+    assert str(refusal.value) == (
+        f'tools/test.py configs/pervit_t_shapes.py: --img-size 100000 100000 cannot be tested here: a test batch of '
+        f'128 images at 100000 x 100000 pixels (float32) needs at least {needed:.1f} GiB on cpu, which has 16.0 GiB '
+        f'available: test at a smaller size. The config tests at 64 x 64')
+
+
+def test_a_size_whose_attention_cannot_fit_is_refused_before_the_data_are_made(memory_available, tmp_path):
+    """PerViT-T at 2048 x 2048, one image a batch: 128 x 128 = 16384 tokens, whose peripheral bias
+    (4 heads, and its computation as large again) needs 2 x 4 x 16384^2 float32."""
+    memory_available(4)
+    with pytest.raises(SystemExit) as refusal:
+        tool.main(['configs/pervit_t_shapes.py', 'missing.pth', '--img-size', '2048', '--work-dir', str(tmp_path),
+                   '--cfg-options', 'test_dataloader.batch_size=1', f'experiment_name=attention_{tmp_path.name}'])
+    needed = 2 * 4 * 16384 ** 2 * 4 / 2 ** 30
+    message = str(refusal.value)
+    assert message.startswith('tools/test.py configs/pervit_t_shapes.py: --img-size 2048 2048 cannot be tested '
+                              'here: attention over 16384 tokens')
+    assert f'in 4 heads needs at least {needed:.1f} GiB on cpu, which has 4.0 GiB available: ' in message
+    assert message.endswith('. The config tests at 64 x 64')
+
+
+def test_a_size_that_fits_passes_the_check_and_the_model_is_left_as_it_was(memory_available):
+    memory_available(4)
+    model = MODELS.build(config('pervit_t_shapes.py').model).train()
+    probes = [module for module in model.modules() if isinstance(module, LogitsProbe)]
+    for size in ((2048, 2048), (96, 128)):
+        if size == (2048, 2048):
+            with pytest.raises(MemoryError, match='attention over 16384 tokens'):
+                tool.check_test_fits(model, size, batch_size=1)
+        else:
+            tool.check_test_fits(model, size, batch_size=128)
+        assert model.training and len(probes) == 12 and not any(probe._forward_hooks for probe in probes)
 
 
 # ---------------------------------------------------------------- each family through the tool

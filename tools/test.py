@@ -24,7 +24,8 @@ ViT); relative Φp and PerViT's are computed for the grid they see. The test dat
   ``scale`` without ``keep_ratio``, ``RandomResizedCrop``) gives them at N x N instead.
 
 Any other test data, and detectors and segmentors, are an error naming the ``--cfg-options`` keys
-that size the images, to set by hand.
+that size the images, to set by hand. A size the test cannot fit in memory is an error before any
+test data are made (:func:`check_test_fits`): a batch of its images, or the attention of one image.
 
 The size printed with the metrics and written to ``--out`` (``img_size``) is that of the images the
 model was tested on, however it was set (``--img-size``, the config, ``--cfg-options``): null where
@@ -39,13 +40,18 @@ import copy
 import json
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
+import torch
 from _common import add_runner_arguments, build_runner, load_config, parse_runner_arguments
 from mmengine.config import Config
 from mmengine.dist import all_gather_object, is_main_process
 from mmengine.hooks import Hook
+from mmengine.model import is_model_wrapper
 from mmpretrain.models import BaseClassifier
 from mmpretrain.registry import MODELS
+from torch import nn
 
+from posattn._memory import check_fits
+from posattn.attention import LogitsProbe
 from posattn_openmmlab.class_checks import ClassCountMismatch
 
 # Config keys that size a dataset's images, in the dataset and in its pipeline's transforms
@@ -249,6 +255,48 @@ def _in_words(size: Optional[Size]) -> str:
     return 'unknown' if size is None else f'{size[0]} x {size[1]}'
 
 
+class _AttentionChecked(Exception):
+    """Stops :func:`check_test_fits`'s probe at the first attention layer, once its memory check passed."""
+
+
+def _stop_probe(module: nn.Module, args: Any, output: Any) -> None:
+    raise _AttentionChecked
+
+
+def check_test_fits(model: nn.Module, size: Size, batch_size: int, fp16: bool = False) -> None:
+    """Raise a MemoryError naming what cannot fit where testing at ``size`` (height, width) needs more
+    memory than the model's device has available, before any test data are made:
+
+    * a test batch as the model takes it, ``batch_size`` x 3 x height x width in float32;
+    * the attention of one image: posattn's attention layers check, before they compute them, the
+      (heads, N, N) terms a call needs (the Φp's logits bias, the probabilities where they are
+      formed; :class:`posattn.Attention`), and one image of zeros at ``size`` is passed through the
+      model as far as its first attention layer's check (the stem, and that layer's Φp, are
+      computed; no further). A model without posattn's attention is not probed.
+
+    Terms below 1 GiB are not checked.
+    """
+    module = model.module if is_model_wrapper(model) else model
+    device = next(module.parameters()).device
+    height, width = size
+    check_fits(batch_size * 3 * height * width * 4, device,
+               f'a test batch of {batch_size} images at {height} x {width} pixels (float32)', 'test at a smaller size')
+    probes = [m for m in module.modules() if isinstance(m, LogitsProbe)]
+    if not probes:
+        return
+    hooks = [probe.register_forward_hook(_stop_probe) for probe in probes]
+    training = module.training
+    try:
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.float16, enabled=fp16):
+            module.eval().extract_feat(torch.zeros(1, 3, height, width, device=device))
+    except _AttentionChecked:
+        pass
+    finally:
+        for hook in hooks:
+            hook.remove()
+        module.train(training)
+
+
 def build_config(args) -> Config:
     cfg = load_config(args)
     cfg.load_from = args.checkpoint
@@ -289,6 +337,12 @@ def main(argv=None):
         except ValueError as error:
             raise SystemExit(f'tools/test.py {args.config}: {error}') from None
     runner = build_runner(cfg)
+    if args.img_size is not None:
+        try:
+            check_test_fits(runner.model, args.img_size, cfg.test_dataloader.batch_size, fp16=args.amp)
+        except MemoryError as error:
+            raise SystemExit(f'tools/test.py {args.config}: --img-size {args.img_size[0]} {args.img_size[1]} '
+                             f'cannot be tested here: {error}. The config tests at {_in_words(config_size)}') from None
     if change:
         runner.logger.info(f'--img-size {args.img_size[0]} {args.img_size[1]}: {change}; the model as the config '
                            f'builds it, without fine-tuning')
