@@ -19,6 +19,8 @@ from typing import Iterator, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from ._compat import function_transform_active
+
 __all__ = ['biased_attention', 'attention_probs', 'function_transforms_active']
 
 # Logits per tile of the CPU backward (1 Mi floats, 4 MiB in fp32), and query rows per tile:
@@ -32,7 +34,7 @@ def function_transforms_active() -> bool:
     call (``torch.compile`` runs its own, which trace custom autograd functions fine)."""
     if torch.compiler.is_compiling():
         return False
-    return getattr(torch._C._functorch, 'peek_interpreter_stack', lambda: None)() is not None
+    return function_transform_active()
 
 
 def _check_bias(bias: Optional[torch.Tensor]) -> None:

@@ -2,6 +2,7 @@
 checked, the config and data files its rows name, the data of ``--data`` put in place of a row's, and
 the config a row's runs train and the model it builds. tools/compare_phis.py's docstring gives the
 format of a study file and of a data config."""
+import argparse
 import copy
 import re
 from pathlib import Path
@@ -225,8 +226,9 @@ def with_options(cfg: Config, options: list) -> Config:
     """A copy of ``cfg`` with a run's ``--cfg-options`` applied as tools/train.py applies them (numbers,
     lists, tuples; a top-level setting of the config's ``linked_keys`` sets the keys that use it)."""
     cfg = copy.deepcopy(cfg)
-    merge_options(cfg, {key: DictAction._parse_iterable(value)
-                        for key, value in (option.split('=', 1) for option in options)})
+    parsed = argparse.Namespace()
+    DictAction(option_strings=[], dest='cfg_options')(None, parsed, options)  # as argparse calls it
+    merge_options(cfg, getattr(parsed, 'cfg_options', {}))
     return cfg
 
 

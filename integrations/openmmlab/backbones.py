@@ -64,6 +64,8 @@ VIT_ARCH_ZOO = {
 PERVIT_ARCH_ZOO = {alias: PERVIT_ARCHS[name] for name in PERVIT_ARCHS for alias in (name, name[0])}
 
 OUT_TYPES = ('raw', 'cls_token', 'featmap', 'avg_featmap')
+# what norm_eval keeps in eval mode: torch's batch norms (the lazy ones become these when they first run)
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
 def _resolve_arch(arch: Union[str, Mapping[str, Any]], arch_zoo: Mapping[str, Mapping[str, Any]],
@@ -241,7 +243,7 @@ class _TokenBackbone(BaseModule):
         print_log(f'{name}: loaded {loaded} from {where} ({layout} layout)'
                   + (f'; not loaded, the classifier: {", ".join(head_keys)}' if head_keys else ''),
                   logger='current', level=logging.WARNING if head_keys else logging.INFO)
-        self._is_init = True
+        self.is_init = True
 
 
 @MODELS.register_module()
@@ -326,7 +328,7 @@ class PosattnPerViT(_TokenBackbone):
         super().train(mode)
         if mode and self.norm_eval:
             for module in self.modules():
-                if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                if isinstance(module, BATCH_NORMS):
                     module.eval()
         return self
 

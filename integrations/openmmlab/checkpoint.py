@@ -50,16 +50,18 @@ from mmengine.runner import CheckpointLoader
 
 from posattn.convert import allow_checkpoint_globals, read_checkpoint
 
+from ._compat import history_buffer_statistics, local_checkpoint_loader, numpy_array_reconstructor, numpy_multiarray
+
 __all__ = ['MMENGINE_CHECKPOINT_GLOBALS', 'history_buffer_method', 'load_local_checkpoint', 'load_checkpoint_file',
            'posattn_checkpoint_loading']
 
 
 def _numpy_globals() -> List[Any]:
     """numpy's array, dtype and scalar reconstructors (their module moved in numpy 2)."""
-    multiarray = getattr(getattr(np, '_core', None), 'multiarray', None) or np.core.multiarray
+    multiarray = numpy_multiarray()
     dtype_classes = [type(np.dtype(name)) for name in
                      ('bool', 'int8', 'int16', 'int32', 'int64', 'uint8', 'float16', 'float32', 'float64')]
-    return [multiarray._reconstruct, multiarray.scalar, np.ndarray, np.dtype, *dtype_classes]
+    return [numpy_array_reconstructor(), multiarray.scalar, np.ndarray, np.dtype, *dtype_classes]
 
 
 _HISTORY_BUFFER_STATISTICS = frozenset({'min', 'max', 'mean', 'current'})
@@ -68,7 +70,7 @@ _HISTORY_BUFFER_STATISTICS = frozenset({'min', 'max', 'mean', 'current'})
 def history_buffer_method(owner: Any, name: str) -> Any:
     """``getattr(owner, name)`` for the one case mmengine checkpoints pickle: a statistics method
     of :class:`HistoryBuffer`; anything else is refused."""
-    allowed = _HISTORY_BUFFER_STATISTICS | set(HistoryBuffer._statistics_methods)  # + registered ones
+    allowed = _HISTORY_BUFFER_STATISTICS | set(history_buffer_statistics())  # + registered ones
     if owner is HistoryBuffer and name in allowed:
         return getattr(owner, name)
     raise pickle.UnpicklingError(f'refusing getattr({owner!r}, {name!r}): a checkpoint may only look up '
@@ -145,9 +147,9 @@ def posattn_checkpoint_loading() -> Iterator[None]:
     global _open_blocks, _installed
     with _installing:
         if _open_blocks == 0:
-            mmengine_loader = CheckpointLoader._schemes['']  # the entry for local paths
+            mmengine_loader = local_checkpoint_loader()
             dispatcher = _dispatching_loader(mmengine_loader)
-            CheckpointLoader._schemes[''] = dispatcher
+            CheckpointLoader.register_scheme('', dispatcher, force=True)
             _installed = (dispatcher, mmengine_loader)
         _open_blocks += 1
     token = _inside.set(True)
@@ -159,6 +161,6 @@ def posattn_checkpoint_loading() -> Iterator[None]:
             _open_blocks -= 1
             if _open_blocks == 0:
                 dispatcher, mmengine_loader = _installed
-                if CheckpointLoader._schemes.get('') is dispatcher:
-                    CheckpointLoader._schemes[''] = mmengine_loader
+                if local_checkpoint_loader() is dispatcher:
+                    CheckpointLoader.register_scheme('', mmengine_loader, force=True)
                 _installed = None

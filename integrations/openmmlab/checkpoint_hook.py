@@ -25,9 +25,9 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, List, Tuple
 
 from mmengine.dist import is_main_process
-from mmengine.hooks import CheckpointHook
 from mmengine.registry import HOOKS
 
+from ._compat import CheckpointHookSaveSteps
 from .atomic import remove_partial_writes, replace_durably
 
 __all__ = ['SafeCheckpointHook']
@@ -93,7 +93,7 @@ class _RunnerWithStagedPointer:
 
 
 @HOOKS.register_module()
-class SafeCheckpointHook(CheckpointHook):
+class SafeCheckpointHook(CheckpointHookSaveSteps):
     """``CheckpointHook`` with removals after the new checkpoint is complete and an atomic
     ``last_checkpoint`` pointer (module docstring)."""
 
@@ -109,16 +109,16 @@ class SafeCheckpointHook(CheckpointHook):
         best = [getattr(self, 'best_ckpt_path', None), *getattr(self, 'best_ckpt_path_dict', {}).values()]
         return [path for path in (self.last_ckpt, *best) if path]
 
-    def _save_checkpoint_with_step(self, runner, step, meta) -> None:
+    def save_checkpoint_with_step(self, runner, step, meta) -> None:
         staging = os.path.join(runner.work_dir, _POINTER_STAGING)
         if is_main_process():
             os.makedirs(staging, exist_ok=True)
         with self.file_backend.deferring(keep=self._written):
-            super()._save_checkpoint_with_step(_RunnerWithStagedPointer(runner, staging), step, meta)
+            super().save_checkpoint_with_step(_RunnerWithStagedPointer(runner, staging), step, meta)
             if is_main_process():
                 replace_durably(os.path.join(staging, POINTER), os.path.join(runner.work_dir, POINTER))
                 os.rmdir(staging)
 
-    def _save_best_checkpoint(self, runner, metrics) -> None:
+    def save_best_checkpoint(self, runner, metrics) -> None:
         with self.file_backend.deferring(keep=self._written):
-            super()._save_best_checkpoint(runner, metrics)
+            super().save_best_checkpoint(runner, metrics)

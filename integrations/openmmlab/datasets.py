@@ -12,6 +12,7 @@ from mmengine.logging import print_log
 from mmpretrain.datasets import BaseDataset, ImageNet
 from mmpretrain.registry import DATASETS
 
+from ._compat import set_default_classes
 from .data_checks import require_data
 from .shapes_dataset import CLASSES, render_shapes
 
@@ -113,7 +114,7 @@ class INaturalist2019(BaseDataset):
             record = json.load(f)
         categories = sorted(record['categories'], key=lambda category: category['id'])
         label_of = {category['id']: label for label, category in enumerate(categories)}
-        self._metainfo.setdefault('classes', tuple(category['name'] for category in categories))
+        set_default_classes(self, tuple(category['name'] for category in categories))
         files = {image['id']: image['file_name'] for image in record['images']}
         labels = {}
         for annotation in record['annotations']:

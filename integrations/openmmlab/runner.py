@@ -65,6 +65,8 @@ from mmengine.runner import Runner
 from posattn.convert import to_posattn_layout, unwrap_state_dict, without_cancelled_biases
 from posattn.models.registry import fitting_model, load_weights, state_dict_mismatch
 
+from ._compat import (has_loaded_checkpoint, mark_checkpoint_loaded, request_resume, resume_request,
+                      runner_trains)
 from .atomic import atomic_target
 from .checkpoint import load_checkpoint_file, posattn_checkpoint_loading
 from .position_cache_hook import PositionCacheHook
@@ -237,12 +239,12 @@ class PosattnRunner(Runner):
         super().setup_env(env_cfg)
         # The first point of the constructor where the process group exists and nothing is written
         # yet (the log folder, log file and config dump come next).
-        if self._train_loop is not None:
+        if runner_trains(self):
             self._acquire_work_dir()
 
     @master_only
     def dump_config(self) -> None:
-        if self._train_loop is not None:
+        if runner_trains(self):
             super().dump_config()
         else:  # not the work_dir's training: keep out of its config dump
             name = os.path.basename(self.cfg.filename) if self.cfg.filename else f'{self.timestamp}.py'
@@ -292,7 +294,7 @@ class PosattnRunner(Runner):
 
     def _acquire_work_dir(self) -> None:
         """Take the work_dir's lock (rank 0); every rank stops when it is refused."""
-        lock, refusal = WorkDirLock(self._work_dir), None
+        lock, refusal = WorkDirLock(self.work_dir), None
         if is_main_process():
             try:
                 lock.acquire()
@@ -317,14 +319,15 @@ class PosattnRunner(Runner):
         run's settings), loading the checkpoint it read instead of reading the file again. Should
         another training have written a newer checkpoint meanwhile, or replaced that file, the run
         searches the work_dir again, as ``--resume`` without a path does."""
-        self._resume, self._load_from = True, None
+        request_resume(self, resume=True, load_from=None)
         self._resume_point = point
 
     def load_or_resume(self) -> None:
         try:
-            if not self._has_loaded and self._resume and self._load_from is None:
-                self._load_from = self._newest_complete_checkpoint()
-                self._resume = self._load_from is not None
+            resume, load_from = resume_request(self)
+            if not has_loaded_checkpoint(self) and resume and load_from is None:
+                newest = self._newest_complete_checkpoint()
+                request_resume(self, resume=newest is not None, load_from=newest)
             super().load_or_resume()
         finally:
             self._resume_point = None  # loaded, or not wanted: a checkpoint is large
@@ -373,7 +376,7 @@ class PosattnRunner(Runner):
         config = os.path.basename(self.cfg.filename) if self.cfg.filename else 'the config'
         load_model_weights(model, checkpoint, source=filename, target=f'{type(model).__name__} of {config}',
                            partial=partial, revise_keys=revise_keys)
-        self._has_loaded = True
+        mark_checkpoint_loaded(self)
         self.logger.info(f'Load checkpoint from {filename}')
         return checkpoint
 

@@ -138,4 +138,4 @@ class PosattnSwappedBackbone(BaseModule):
                     f'head alone. Changed: {", ".join(changed[:3])}' + (f' ({len(changed) - 3} more)'
                                                                        if len(changed) > 3 else ''))
             self._loaded_weights = None
-        self._is_init = True
+        self.is_init = True

@@ -29,6 +29,10 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 import torch
 import torchvision  # noqa: F401  (registers torch.ops.torchvision)
 
+from posattn._compat import roi_align_backward_op
+
+from ._compat import mmcv_kernels
+
 __all__ = ['mmcv_has_cuda_kernels', 'devices_without_mmcv_kernels', 'route_mmcv_ops_to_torchvision',
            'unroute_mmcv_ops', 'mmcv_ops_routed']
 
@@ -85,7 +89,7 @@ def _roi_align_backward(original: Callable, devices: frozenset) -> Callable:
         if grad_output.device.type not in devices:
             return original(grad_output, rois, argmax_y, argmax_x, grad_input, **options)
         scale, height, width, sampling_ratio, aligned = _average_pooling_options(options)
-        grad_input.copy_(torch.ops.torchvision._roi_align_backward(
+        grad_input.copy_(roi_align_backward_op()(
             grad_output, rois, scale, height, width, *grad_input.shape, sampling_ratio, aligned))
     return roi_align_backward
 
@@ -97,7 +101,7 @@ def route_mmcv_ops_to_torchvision(devices: Optional[Iterable[str]] = None) -> fr
     """Send mmcv's NMS and RoIAlign on tensors of ``devices`` (device types, e.g. ``('cuda',)``) to
     torchvision; default: ``('cuda',)`` when mmcv lacks CUDA kernels, else nothing. Replaces an
     earlier routing. Returns the device types routed."""
-    import mmcv._ext as ext
+    ext = mmcv_kernels()
     if devices is None:
         devices = () if mmcv_has_cuda_kernels() else ('cuda',)
     devices = frozenset(devices)
@@ -111,7 +115,7 @@ def route_mmcv_ops_to_torchvision(devices: Optional[Iterable[str]] = None) -> fr
 
 def unroute_mmcv_ops() -> None:
     """Give mmcv's own kernels back every op (no-op when nothing is routed)."""
-    import mmcv._ext as ext
+    ext = mmcv_kernels()
     for name, original in _ORIGINALS.items():
         setattr(ext, name, original)
     _ORIGINALS.clear()
@@ -127,7 +131,7 @@ def mmcv_ops_routed(devices: Iterable[str]) -> Iterator[frozenset]:
     if not devices:
         yield devices
         return
-    import mmcv._ext as ext
+    ext = mmcv_kernels()
     before = {name: getattr(ext, name) for name in _WRAPPERS}
     originals = dict(_ORIGINALS)
     route_mmcv_ops_to_torchvision(devices)

@@ -80,7 +80,7 @@ class WindowTableAttention(SwappedAttention):
 
     def take_index(self, old: nn.Module) -> None:
         """The model's relative position index, its window size and the buffer's persistence."""
-        persistent = 'relative_position_index' not in old._non_persistent_buffers_set
+        persistent = 'relative_position_index' in old.state_dict(keep_vars=True)  # saved by the model
         self.register_buffer('relative_position_index', old.relative_position_index, persistent=persistent)
         self.window_size = tuple(old.window_size)
 
