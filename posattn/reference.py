@@ -266,12 +266,16 @@ def relative_position_bias(table: torch.Tensor, table_size: Sequence[int], heigh
     return bias
 
 
-def alibi_bias(num_heads: int, height: int, width: int) -> torch.Tensor:
+def alibi_bias(slopes: Sequence[float], height: int, width: int) -> torch.Tensor:
     """2D ALiBi (Press et al. 2022; CROMA, Fuller et al. 2023) on an H x W grid, pair by pair:
-    -m_h ||p_i - p_j||_2 with m_h = 2^(-8 (h + 1) / heads), (heads, H W, H W) float64 over the grid pairs."""
+    -m_h ||p_i - p_j||_2 with m_h = ``slopes[h]``, (heads, H W, H W) float64 over the grid pairs.
+
+    The slopes come from the caller (the tests pass those of ALiBi's released ``get_slopes``), so
+    that this statement of the bias does not repeat posattn's slope rule.
+    """
     positions = [(row, col) for row in range(height) for col in range(width)]
-    return torch.tensor([[[-2.0 ** (-8.0 * (h + 1) / num_heads) * math.hypot(p[0] - q[0], p[1] - q[1])
-                           for q in positions] for p in positions] for h in range(num_heads)], dtype=torch.float64)
+    return torch.tensor([[[-float(slope) * math.hypot(p[0] - q[0], p[1] - q[1]) for q in positions]
+                          for p in positions] for slope in slopes], dtype=torch.float64)
 
 
 def gpsa_position_attention(pos_weight: torch.Tensor, pos_bias: torch.Tensor, height: int, width: int) -> torch.Tensor:
