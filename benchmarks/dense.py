@@ -26,6 +26,7 @@ import copy
 from typing import Callable, Dict, List, Tuple
 
 import torch
+from torch import nn
 
 from common import add_out_argument, peak_memory_mb, print_table, save_json, step_profile, time_interleaved
 
@@ -72,16 +73,16 @@ def forward_backward(backbone: PerViT, images: torch.Tensor, autocast) -> Callab
     return step
 
 
-def phi_steps(phi: PeripheralPhi, height: int, width: int) -> Dict[str, Callable[[], None]]:
+def phi_steps(phi: PeripheralPhi, embedding: nn.Module, height: int, width: int) -> Dict[str, Callable[[], None]]:
     tokens = height * width
     upstream = torch.randn(phi.num_heads, tokens, tokens, device=phi.proj1_weight.device)
 
     def forward():
         with torch.no_grad():
-            phi.log_position_attention(height, width)
+            phi.log_position_attention(height, width, embedding)
 
     def forward_backward():
-        phi.log_position_attention(height, width).backward(upstream)
+        phi.log_position_attention(height, width, embedding).backward(upstream)
         phi.zero_grad(set_to_none=True)
     return {'forward (eval)': forward, 'forward + backward': forward_backward}
 
@@ -114,11 +115,11 @@ def profile_rows(args, size: Tuple[int, int], models: Dict[str, PerViT], autocas
             for category in spent['peripheral']]
 
 
-def phi_rows(args, size: Tuple[int, int], phi: PeripheralPhi) -> List[Dict[str, object]]:
+def phi_rows(args, size: Tuple[int, int], phi: PeripheralPhi, embedding: nn.Module) -> List[Dict[str, object]]:
     grid = (-(-size[0] // STEM_STRIDE), -(-size[1] // STEM_STRIDE))
     rows = []
     for label, (height, width) in (('window', (args.window_size,) * 2), ('global', grid)):
-        fns = phi_steps(phi, height, width)
+        fns = phi_steps(phi, embedding, height, width)
         times = time_interleaved(fns, repeat=args.repeat, warmup=args.warmup, device=args.device)
         for task, fn in fns.items():
             rows.append({'size': f'{size[0]}x{size[1]}', 'layer': label, 'grid': f'{height}x{width}',
@@ -149,7 +150,7 @@ def main() -> None:
     rows, phis, profiles = [], [], []
     for size in args.sizes:
         rows += backbone_rows(args, size, models, autocast)
-        phis += phi_rows(args, size, phi)
+        phis += phi_rows(args, size, phi, models['peripheral'].distance_embedding)
         if args.profile:
             profiles += profile_rows(args, size, models, autocast)
     print(f'PerViT-T backbone, {args.window_size}x{args.window_size} windows, global blocks {args.global_blocks}, '

@@ -32,7 +32,7 @@ import argparse
 import contextlib
 import copy
 import time
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,7 @@ from common import (add_out_argument, peak_memory_mb, print_table, save_json, st
 
 import posattn
 from posattn import reference
+from posattn._compat import cpu_flash_attention_op
 from posattn.grid import TokenGrid
 from posattn.phi.peripheral import PeripheralPhi
 
@@ -58,7 +59,7 @@ def _sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kw
 
 
 # FlopCounterMode knows the CUDA SDPA kernels; the CPU one costs the same.
-FLOP_MAPPING = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_flops}
+FLOP_MAPPING = {cpu_flash_attention_op(): _sdpa_flops}
 
 
 class ReleaseMPA(nn.Module):
@@ -72,12 +73,16 @@ class ReleaseMPA(nn.Module):
 
     @property
     def phi(self) -> PeripheralPhi:
-        """The layer's Φp, where PerViT points every Φp at the model's distance embedding."""
+        """The layer's Φp, which reads the model's distance embedding given with each call."""
         return self.layer.phi
 
-    def forward(self, x: torch.Tensor, hw: TokenGrid) -> torch.Tensor:
+    def taking(self, offered: Dict[str, Any]) -> Dict[str, Any]:
+        """What the block offers its attention: this one reads the model's distance embedding."""
+        return offered
+
+    def forward(self, x: torch.Tensor, hw: TokenGrid, distance_embedding: nn.Module) -> torch.Tensor:
         layer = self.layer
-        phi = reference.peripheral_position_attention(self.height, self.width, layer.phi.weights())
+        phi = reference.peripheral_position_attention(self.height, self.width, layer.phi.weights(distance_embedding))
         return reference.peripheral_attention(x, layer.qkv.weight, layer.qkv.bias, layer.proj.weight,
                                               layer.proj.bias, layer.num_heads, phi)
 
@@ -106,8 +111,7 @@ def train_step(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, aut
 
 def compiled(model: nn.Module) -> nn.Module:
     """``torch.compile`` of a copy of ``model``, one graph, compiled afresh (no cached kernels)."""
-    torch._inductor.config.fx_graph_cache = False
-    return torch.compile(copy.deepcopy(model), fullgraph=True)
+    return torch.compile(copy.deepcopy(model), fullgraph=True, options={'fx_graph_cache': False})
 
 
 def first_call_s(fn: Callable[[], None], device: torch.device) -> float:
@@ -169,7 +173,7 @@ def speed_rows(args, compile_rows: List[Dict[str, object]]) -> List[Dict[str, ob
             fns = {name: make(model) for name, model in models.items()}
             if args.compile and task == 'train step':
                 for name in ('PerViT-T', 'DeiT-T'):
-                    torch._dynamo.reset()
+                    torch.compiler.reset()
                     step = train_step(compiled(models[name]), images, labels, autocast)
                     compile_rows.append({'model': f'{name}, compiled', 'batch': batch,
                                          'first call s': first_call_s(step, device)})

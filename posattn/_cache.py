@@ -4,10 +4,10 @@ Two kinds of cached value appear in posattn:
 
 * constants of the token grid (distance moments, bucket ids): pure functions of a few integers
   and a device, cached per argument tuple by :func:`grid_constant`, always, within a byte budget
-  per function;
+  per function (this module);
 * a Φp's positional bias, a function of the grid *and of the Φp's weights*: cached only where a
-  user asks for it, by :func:`posattn.cache_positions` (:class:`PositionCache`); otherwise every
-  call computes it.
+  user asks for it, by :func:`posattn.cache_positions` (:mod:`posattn.phi.cache`, which builds on
+  the bounded store here); otherwise every call computes it.
 
 Both cache only plain tensors (exactly ``torch.Tensor``, made outside ``inference_mode``): a fake
 tensor of ``torch.export``, a functional tensor of a compiler or an inference tensor is computed
@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import functools
 import threading
-import weakref
 from collections import OrderedDict
-from contextlib import contextmanager
-from typing import Any, Callable, Hashable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Hashable, Optional, Tuple, TypeVar
 
 import torch
 
-__all__ = ['grid_constant', 'PositionCache', 'cache_positions', 'is_plain_tensor', 'tensor_bytes']
+__all__ = ['grid_constant', 'is_plain_tensor', 'tensor_bytes', 'cacheable_context', 'BoundedStore']
 
 Value = TypeVar('Value')
 
@@ -41,7 +39,7 @@ def _all_plain(value: Any) -> bool:
     return all(is_plain_tensor(t) for t in tensors)
 
 
-def _cacheable_context() -> bool:
+def cacheable_context() -> bool:
     """Not while a compiler or ``torch.jit.trace`` records the computation: the recording must
     compute the constant, not read what an earlier call left."""
     return not (torch.compiler.is_compiling() or torch.jit.is_tracing())
@@ -53,7 +51,7 @@ def tensor_bytes(value: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-class _LRU:
+class BoundedStore:
     """Least-recently-used entries within a byte budget, behind one lock. A value larger than the
     whole budget is not kept."""
 
@@ -87,6 +85,12 @@ class _LRU:
         with self.lock:
             self._drop(key)
 
+    def discard_where(self, condition: Callable[[Hashable], bool]) -> None:
+        """Drop every entry whose key meets ``condition``."""
+        with self.lock:
+            for key in [key for key in self.entries if condition(key)]:
+                self._drop(key)
+
     def _drop(self, key: Hashable) -> None:
         entry = self.entries.pop(key, None)
         if entry is not None:
@@ -108,11 +112,11 @@ def grid_constant(max_bytes: int) -> Callable[[Callable[..., Value]], Callable[.
     ``.cache_nbytes()`` says how much it holds.
     """
     def decorate(function: Callable[..., Value]) -> Callable[..., Value]:
-        entries = _LRU(max_bytes)
+        entries = BoundedStore(max_bytes)
 
         @functools.wraps(function)
         def cached(*args: Hashable, **kwargs: Hashable) -> Value:
-            if not _cacheable_context():
+            if not cacheable_context():
                 return function(*args, **kwargs)
             key = (args, tuple(sorted(kwargs.items())))
             value = entries.get(key)
@@ -128,104 +132,3 @@ def grid_constant(max_bytes: int) -> Callable[[Callable[..., Value]], Callable[.
         cached.cache_nbytes = lambda: entries.nbytes  # type: ignore[attr-defined]
         return cached
     return decorate
-
-
-class _Entry(NamedTuple):
-    value: torch.Tensor
-    value_version: int
-    inputs: Tuple[weakref.ref, ...]
-    input_versions: Tuple[int, ...]
-
-
-class PositionCache:
-    """Positional biases of Φp modules, kept per (module, grid, dtype, device) within ``max_bytes``.
-
-    Made and attached by :func:`cache_positions`. An entry is served only while every tensor its
-    bias was computed from is the very tensor it was (a parametrized or pruned weight is a new
-    tensor at every call, so it is never served) and unchanged by autograd's count of in-place
-    writes (optimiser steps, fused ones included, ``load_state_dict``, ``copy_``), and while the
-    served tensor itself was not written in place (by a hook, say): the checks read counters on
-    the host, never the values, so they cost no device synchronisation. Writes through ``.data``
-    bypass those counters: after one, call :meth:`clear`. Nothing is cached where autograd may
-    need the bias (training, or a weight that requires grad under grad mode), nor inside
-    ``torch.compile`` (the compiled graph computes it). Thread-safe.
-    """
-
-    def __init__(self, max_bytes: int = 1 << 30):
-        self._entries = _LRU(max_bytes)
-
-    @property
-    def max_bytes(self) -> int:
-        return self._entries.max_bytes
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the cached biases hold now."""
-        return self._entries.nbytes
-
-    def __len__(self) -> int:
-        return len(self._entries.entries)
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-    def __getstate__(self) -> dict:
-        # Pickles and deep copies start empty: the entries are derived data.
-        return {'max_bytes': self.max_bytes}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state['max_bytes'])
-
-    def get(self, owner: torch.nn.Module, key: Hashable, inputs: Sequence[torch.Tensor],
-            compute: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """``compute()``'s value for ``owner`` and ``key``, from the cache while ``inputs`` (the
-        tensors it is computed from, as read for this call) are unchanged."""
-        if (owner.training or not _cacheable_context() or not all(is_plain_tensor(t) for t in inputs)
-                or (torch.is_grad_enabled() and any(t.requires_grad for t in inputs))):
-            return compute()
-        key = (owner, key)
-        entry = self._entries.get(key)
-        if (entry is not None and entry.value._version == entry.value_version
-                and len(entry.inputs) == len(inputs)
-                and all(ref() is t and t._version == version
-                        for ref, version, t in zip(entry.inputs, entry.input_versions, inputs))):
-            return entry.value
-        with torch.inference_mode(False), torch.no_grad():
-            value = compute()
-        if is_plain_tensor(value):
-            self._entries.put(key, _Entry(value, value._version, tuple(weakref.ref(t) for t in inputs),
-                                          tuple(t._version for t in inputs)), tensor_bytes(value))
-        else:
-            self._entries.discard(key)
-        return value
-
-
-@contextmanager
-def cache_positions(model: torch.nn.Module, max_bytes: int = 1 << 30) -> Iterator[PositionCache]:
-    """Reuse the positional biases of ``model``'s Φp modules across calls, within ``max_bytes``.
-
-        with posattn.cache_positions(model.eval()) as cache:
-            for images in loader:
-                logits = model(images)
-
-    Inside the block, a Φp whose bias does not depend on the tokens (``peripheral``, ``rpb``,
-    ``alibi``, ``irpe`` in bias mode) computes it once per grid, dtype and device and serves it again while its weights
-    are unchanged (:class:`PositionCache` says what it checks). Leaving the block detaches and
-    empties the cache, freeing its memory; ``cache.clear()`` empties it inside. Outside such a
-    block nothing is cached: every call computes its bias.
-    """
-    from .phi.base import PositionalModule  # the Φp modules sit above this module
-
-    cache = PositionCache(max_bytes)
-    phis: List[PositionalModule] = [m for m in model.modules() if isinstance(m, PositionalModule)]
-    previous = [phi.position_cache for phi in phis]
-    for phi in phis:
-        phi.position_cache = cache
-    try:
-        yield cache
-    finally:
-        for phi, before in zip(phis, previous):
-            phi.position_cache = before
-        cache.clear()
-
-

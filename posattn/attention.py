@@ -1,7 +1,7 @@
 """The one attention layer of posattn: qkv -> logits (+ Φp) -> softmax -> v -> proj."""
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 from einops import rearrange
@@ -11,6 +11,7 @@ from ._memory import check_fits
 from .functional import attention_probs, biased_attention
 from .grid import GridLike, TokenGrid
 from .phi import PositionalModule, build_layer_phi
+from .phi.registry import PhiOptions, PhiSpec
 
 __all__ = ['Attention', 'LogitsProbe']
 
@@ -50,10 +51,11 @@ class Attention(nn.Module):
     Args:
         dim: token channels C.
         num_heads: attention heads; must divide ``dim``.
-        phi: a registered Φp name (``posattn.list_phis()``) or a built :class:`PositionalModule`.
-        phi_cfg: options of the named Φp; what the layer knows (``dim``, ``num_heads``,
-            ``head_dim``, ``num_prefix_tokens``) is filled in where the Φp takes it
-            (:func:`posattn.phi.build_layer_phi`).
+        phi: a registered Φp name (``posattn.list_phis()``), a list of names combined in that order
+            (:class:`~posattn.phi.PhiStack`: ``['rope', 'rpb']``), or a built :class:`PositionalModule`.
+        phi_cfg: options of the named Φp (for a list: a list of option dicts, one per name); what
+            the layer knows (``dim``, ``num_heads``, ``head_dim``, ``num_prefix_tokens``) is filled in
+            where the Φp takes it (:func:`posattn.phi.build_layer_phi`).
         qkv_bias: bias on the qkv projection.
         attn_drop: dropout on the attention probabilities (materialises them while training).
         proj_drop: dropout after the output projection.
@@ -66,8 +68,8 @@ class Attention(nn.Module):
             values (``v``: Linear dim -> dim, no ``qkv``), and its Φp must give a logits bias.
     """
 
-    def __init__(self, dim: int, num_heads: int, phi: Union[str, PositionalModule] = 'none',
-                 phi_cfg: Optional[Mapping[str, Any]] = None, qkv_bias: bool = True,
+    def __init__(self, dim: int, num_heads: int, phi: Union[PhiSpec, PositionalModule] = 'none',
+                 phi_cfg: PhiOptions = None, qkv_bias: bool = True,
                  attn_drop: float = 0.0, proj_drop: float = 0.0, num_prefix_tokens: int = 0,
                  qk_norm: bool = False, norm_layer: Callable[[int], nn.Module] = nn.LayerNorm,
                  content: bool = True):
@@ -84,9 +86,11 @@ class Attention(nn.Module):
         else:
             self.phi = build_layer_phi(phi, phi_cfg, dim=dim, num_heads=num_heads,
                                        num_prefix_tokens=num_prefix_tokens)
+        self.phi.declared_hooks()  # a Φp that declares none is refused here, naming the fix
         if not content and (qk_norm or not self.phi.gives_logits_bias):
             raise ValueError('content=False attends by the Φp\'s logits bias alone: it needs a Φp that '
-                             f'gives one (not {type(self.phi).__name__}) and no qk_norm')
+                             f'declares one (not {type(self.phi).__name__} with hooks '
+                             f'{sorted(self.phi.declared_hooks())}) and no qk_norm')
         self.content = content
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias) if content else None
         self.v = None if content else nn.Linear(dim, dim, bias=qkv_bias)
@@ -97,22 +101,41 @@ class Attention(nn.Module):
         self.proj_drop = nn.Dropout(proj_drop)
         self.logits_probe = LogitsProbe()
 
-    def forward(self, x: torch.Tensor, hw: GridLike, key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, hw: GridLike, key_mask: Optional[torch.Tensor] = None,
+                **call_inputs: Any) -> torch.Tensor:
         """x: (B, N, C) with N = num_prefix_tokens + H * W; hw: (H, W) or a TokenGrid.
 
         ``key_mask``: None, or a bool (B, N) that is False for keys no query may attend to (padding
         tokens of windowed attention). A sequence with no key left attends to nothing: its
         attention output is zero (the layer returns ``proj``'s bias), with zero gradients.
+        ``call_inputs``: what the Φp reads that it does not own, declared as its ``call_inputs``
+        (PerViT's ``distance_embedding=``), passed on to its hooks.
         """
         grid = self.grid_of(x, hw)
-        x = self.phi.tokens(x, grid)
+        given = self.given(call_inputs)
+        if self.phi.contributes('tokens'):
+            x = self.phi.tokens(x, grid, **given)
         if self.content:
             q, k, v = self.split_heads(self.qkv(x))
         else:
             v = rearrange(self.v(x), 'b n (h d) -> b h n d', h=self.num_heads)
             q = k = self._no_content(v)
-        out = self.attend(q, k, v, grid, key_mask)
+        out = self.attend(q, k, v, grid, key_mask, given=given)
         return self.proj_drop(self.proj(out))
+
+    def taking(self, offered: Mapping[str, Any]) -> Dict[str, Any]:
+        """Of what a model offers every layer (its shared state), what this layer's Φp declares it reads:
+        a model passes ``layer(x, hw, **layer.taking(offered))``, whatever Φp each layer holds."""
+        return {name: value for name, value in offered.items() if name in self.phi.call_inputs}
+
+    def given(self, call_inputs: Mapping[str, Any]) -> Dict[str, Any]:
+        """The call inputs the Φp declared, or a TypeError naming one it did not declare or one missing."""
+        unknown = sorted(set(call_inputs) - set(self.phi.call_inputs))
+        if unknown:
+            reads = ', '.join(self.phi.call_inputs) or 'nothing'
+            raise TypeError(f'got {", ".join(unknown)} with the call; this layer\'s Φp ({type(self.phi).__name__}) '
+                            f'reads {reads} given with a call')
+        return self.phi.given(call_inputs)
 
     @staticmethod
     def _no_content(v: torch.Tensor) -> torch.Tensor:
@@ -136,7 +159,8 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: TokenGrid,
                key_mask: Optional[torch.Tensor] = None, own_bias: Optional[torch.Tensor] = None,
-               own_mixture: Optional[ProbabilityMixture] = None) -> torch.Tensor:
+               own_mixture: Optional[ProbabilityMixture] = None, *,
+               given: Optional[Mapping[str, Any]] = None) -> torch.Tensor:
         """softmax(q k^T / sqrt(d) + Φp's bias + own_bias) v (+ Φp's value term), heads merged:
         (B, N, heads * d), before the output projection; q and k pass the Φp's
         :meth:`~posattn.phi.PositionalModule.queries_keys` first, and the probabilities its
@@ -146,23 +170,25 @@ class Attention(nn.Module):
         Φp's (a swapped model's own relative positions or shift mask), or None. ``own_mixture``:
         called as ``own_mixture(attn, grid, key_mask)`` on the probabilities after the Φp's mixture,
         the model's own (ConViT's gated positional attention in a swapped ConViT), or None.
+        ``given``: the call inputs the Φp declared (:meth:`given`), passed on to its hooks.
         """
+        given = given or {}
         materialised = self._materialises_probabilities() or own_mixture is not None
         self._check_memory(q, grid, materialised)
         if self.phi.transforms_queries_keys:
-            q, k = self.phi.queries_keys(q, k, grid)
-        phi_bias = self.phi(q, k, grid) if self.phi.gives_logits_bias else None  # called: its hooks run
+            q, k = self.phi.queries_keys(q, k, grid, **given)
+        phi_bias = self.phi.logits_bias(q, k, grid, **given) if self.phi.gives_logits_bias else None
         self.logits_probe(q, k, phi_bias, grid, key_mask=key_mask, own_bias=own_bias)
         bias = phi_bias if own_bias is None else own_bias if phi_bias is None else phi_bias + own_bias
         if materialised:
             attn = attention_probs(q, k, bias, key_mask)
             if self.phi.mixes_probabilities:
-                attn = self.phi.mix_probabilities(attn, grid, key_mask)
+                attn = self.phi.mix_probabilities(attn, grid, key_mask, **given)
             if own_mixture is not None:
                 attn = own_mixture(attn, grid, key_mask)
             attn = self.attn_drop(attn)
             out = attn @ v
-            value_term = self.phi.value_term(attn, grid)
+            value_term = self.phi.value_term(attn, grid, **given) if self.phi.contributes('value_term') else None
             if value_term is not None:
                 out = out + value_term
         else:
@@ -172,7 +198,7 @@ class Attention(nn.Module):
     def _materialises_probabilities(self) -> bool:
         """Whether this call forms the (B, heads, N, N) probabilities: for a Φp's value term or
         mixture, or for attention dropout while training; otherwise the fused kernel runs."""
-        return (self.phi.uses_attention_probs or self.phi.mixes_probabilities
+        return (self.phi.needs_probabilities
                 or (self.training and self.attn_drop.p > 0))
 
     def _check_memory(self, q: torch.Tensor, grid: TokenGrid, materialised: bool) -> None:

@@ -14,14 +14,14 @@ from typing import Any, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-__all__ = ['TokenGrid', 'GridLike']
+__all__ = ['TokenGrid', 'GridLike', 'is_integer']
 
 
 def _plural(count: int, noun: str) -> str:
     return f'{count} {noun}' + ('' if count == 1 else 's')
 
 
-def _is_integer(value: Any) -> bool:
+def is_integer(value: Any) -> bool:
     """An int (Python's, numpy's or a compiler's symbolic one), not a bool."""
     return isinstance(value, (numbers.Integral, torch.SymInt)) and not isinstance(value, bool)
 
@@ -31,7 +31,7 @@ def _as_integer(value: Any, name: str) -> int:
     if isinstance(value, torch.Tensor) and value.dim() == 0 and not (
             value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
         return int(value)
-    if _is_integer(value):
+    if is_integer(value):
         return value if isinstance(value, (int, torch.SymInt)) else int(value)
     raise TypeError(f'{name} must be an integer, got {value!r}')
 

@@ -107,10 +107,11 @@ def test_without_content_each_layer_attends_by_phi_alone():
     assert attn.qkv is None and attn.v.weight.shape == (128, 128) and 'content=False' in repr(attn)
     x, grid = torch.randn(2, 20, 128, dtype=torch.float64), TokenGrid(4, 5)
     v = (x @ attn.v.weight.t()).view(2, 20, 4, 32).transpose(1, 2)
-    mixed = attn.phi.log_position_attention(4, 5).softmax(-1)  # (heads, 20, 20)
+    mixed = attn.phi.log_position_attention(4, 5, model.distance_embedding.double()).softmax(-1)  # (heads, 20, 20)
     expected = attn.proj((mixed @ v).transpose(1, 2).reshape(2, 20, 128))
     for mode in (False, True):
-        torch.testing.assert_close(attn.train(mode)(x, grid), expected, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(attn.train(mode)(x, grid, distance_embedding=model.distance_embedding), expected,
+                                   rtol=1e-10, atol=1e-12)
     maps = collect_attention_maps(build(content=False), torch.randn(1, 3, 64, 80))
     first = maps['blocks.0.attn']
     torch.testing.assert_close(first.mixed, (first.position / first.position.sum(-1, keepdim=True)).expand_as(first.mixed))
@@ -143,7 +144,7 @@ def test_phi_initialisations():
     drawn = torch.cat([p.detach().flatten() for p in parameters.values()])
     assert 0.7 < drawn.std() < 1.0 and abs(drawn.mean()) < 0.05  # N(0, 1) truncated at 2: std 0.88
     assert not torch.equal(rand.blocks[0].attn.phi.proj1_weight, rand.blocks[1].attn.phi.proj1_weight)
-    log_phi = rand.blocks[2].attn.phi.log_position_attention(5, 6)
+    log_phi = rand.blocks[2].attn.phi.log_position_attention(5, 6, rand.distance_embedding)
     assert torch.isfinite(log_phi).all() and (log_phi <= 0).all()
     training_step(rand)
     with pytest.raises(ValueError, match="unknown Φp initialisation 'gauss'"):
@@ -162,8 +163,8 @@ def test_a_frozen_phi_keeps_its_initialisation_through_training(phi_init):
     phi = model.blocks[1].attn.phi
     q = torch.empty(1, 4, 20, 8)
     with posattn.cache_positions(model):
-        first = phi.logits_bias(q, q, TokenGrid(4, 5))
-        assert phi.logits_bias(q, q, TokenGrid(4, 5)) is first
+        first = phi.logits_bias(q, q, TokenGrid(4, 5), distance_embedding=model.distance_embedding)
+        assert phi.logits_bias(q, q, TokenGrid(4, 5), distance_embedding=model.distance_embedding) is first
 
 
 def test_bad_ablation_options_are_named():
@@ -177,7 +178,7 @@ def test_bad_ablation_options_are_named():
         build(phi='none', phi_trainable=False)
     with pytest.raises(ValueError, match="with phi='none' there is nothing to attend by"):
         build(phi='none', content=False)
-    with pytest.raises(ValueError, match='needs a Φp that gives one'):
+    with pytest.raises(ValueError, match='needs a Φp that declares one'):
         posattn.Attention(32, 4, phi='peg', content=False)
 
 

@@ -7,15 +7,17 @@ with a freshly built layer holding the same weights.
 """
 import contextlib
 import copy
+import io
 import threading
 
 import pytest
 import torch
-from torch.nn.utils import parametrize, prune
+from torch.nn.utils import parametrize
 
 import posattn
 from posattn import Attention, cache_positions
-from posattn._cache import PositionCache, grid_constant
+from posattn._cache import grid_constant
+from posattn.phi.cache import PositionCache
 from posattn.phi.irpe import bucket_ids
 from posattn.phi.peripheral_kernel import _grid_moments
 
@@ -80,22 +82,22 @@ def test_the_cache_serves_the_bias_again_per_grid():
     layer, x = peripheral_layer(), tokens()
     q = torch.randn(2, 4, 21, 8)
     with cache_positions(layer) as cache, torch.no_grad():
-        first = layer.phi(q, q, posattn.TokenGrid(4, 5, 1))
-        assert layer.phi(q, q, posattn.TokenGrid(4, 5, 1)) is first
-        other = layer.phi(q, q, posattn.TokenGrid(5, 4, 1))
+        first = layer.phi.logits_bias(q, q, posattn.TokenGrid(4, 5, 1))
+        assert layer.phi.logits_bias(q, q, posattn.TokenGrid(4, 5, 1)) is first
+        other = layer.phi.logits_bias(q, q, posattn.TokenGrid(5, 4, 1))
         assert other is not first and other.shape == first.shape == (1, 4, 21, 21)
         assert len(cache) == 2 and cache.nbytes == 2 * first.numel() * 4
         assert_fresh(layer, x)
     assert layer.phi.position_cache is None and len(cache) == 0 and cache.nbytes == 0
-    assert layer.phi(q, q, posattn.TokenGrid(4, 5, 1)) is not first
+    assert layer.phi.logits_bias(q, q, posattn.TokenGrid(4, 5, 1)) is not first
 
 
 def test_nothing_is_kept_without_the_cache():
     layer = peripheral_layer()
     q = torch.randn(2, 4, 21, 8)
     with torch.no_grad():
-        first = layer.phi(q, q, posattn.TokenGrid(4, 5, 1))
-        assert layer.phi(q, q, posattn.TokenGrid(4, 5, 1)) is not first
+        first = layer.phi.logits_bias(q, q, posattn.TokenGrid(4, 5, 1))
+        assert layer.phi.logits_bias(q, q, posattn.TokenGrid(4, 5, 1)) is not first
     assert not [v for v in vars(layer.phi).values() if isinstance(v, (torch.Tensor, PositionCache))]
 
 
@@ -171,23 +173,32 @@ def test_a_parametrization_whose_state_is_a_buffer_is_seen(scope):
     assert torch.equal(after, output(plain, x))
 
 
-def test_pruning_applies_and_trains(scope):
-    """prune's forward pre-hook runs, because the layer calls its Φp as a module."""
+def test_masking_by_parametrization_applies_and_trains(scope):
+    """A pruning mask as a parametrization (applied at every read; prune's hooks are refused on a Φp)."""
+    class Mask(torch.nn.Module):
+        def __init__(self, mask):
+            super().__init__()
+            self.register_buffer('mask', mask)
+
+        def forward(self, value):
+            return value * self.mask
+
     layer, x = peripheral_layer(), tokens()
-    prune.l1_unstructured(layer.phi, 'proj2_weight', amount=0.5)
+    mask = (torch.rand_like(layer.phi.proj2_weight, generator=None) > 0.5).float()
+    parametrize.register_parametrization(layer.phi, 'proj2_weight', Mask(mask))
     with scope(layer):
-        pruned = output(layer, x)
+        masked = output(layer, x)
     plain = peripheral_layer()
     with torch.no_grad():
-        plain.phi.proj2_weight.mul_(layer.phi.proj2_weight_mask)
-    assert torch.equal(pruned, output(plain, x))
+        plain.phi.proj2_weight.mul_(mask)
+    assert torch.equal(masked, output(plain, x))
     layer.train()
     step = torch.optim.SGD(layer.parameters(), lr=0.1)
-    for _ in range(2):  # a second step once failed: "backward through the graph a second time"
+    for _ in range(2):
         layer(x, GRID).square().sum().backward()
         step.step()
         step.zero_grad()
-    assert torch.all(layer.phi.proj2_weight[layer.phi.proj2_weight_mask == 0] == 0)
+    assert torch.all(layer.phi.proj2_weight[mask == 0] == 0)
 
 
 def test_a_hook_that_edits_the_bias_in_place_changes_only_its_own_call(scope):
@@ -214,10 +225,10 @@ def test_requires_grad_decides_whether_the_bias_is_cached():
         layer(x, GRID).sum().backward()  # eval, but the bias needs its gradient: not cached
         assert len(cache) == 0 and layer.phi.norm2_weight.grad is not None
         layer.phi.requires_grad_(False)
-        first = layer.phi(q, q, posattn.TokenGrid(4, 5, 1))  # frozen Φp: cached although autograd is on
-        assert len(cache) == 1 and layer.phi(q, q, posattn.TokenGrid(4, 5, 1)) is first
+        first = layer.phi.logits_bias(q, q, posattn.TokenGrid(4, 5, 1))  # frozen Φp: cached although autograd is on
+        assert len(cache) == 1 and layer.phi.logits_bias(q, q, posattn.TokenGrid(4, 5, 1)) is first
         layer.train()
-        assert layer.phi(q, q, posattn.TokenGrid(4, 5, 1)) is not first
+        assert layer.phi.logits_bias(q, q, posattn.TokenGrid(4, 5, 1)) is not first
 
 
 def test_the_byte_budget_holds():
@@ -280,13 +291,49 @@ def test_threads_share_one_cache_safely(phi, cfg):
     assert not errors and not mismatches
 
 
-def test_copies_and_pickles_start_empty():
+@pytest.mark.parametrize('how', ['deepcopy', 'torch.save'])
+def test_a_copy_made_inside_a_block_carries_no_cache_out(how):
+    """A copy is not attached: it computes every call, exact after its weights change."""
     layer, x = peripheral_layer(), tokens()
     with cache_positions(layer) as cache:
         output(layer, x)
-        clone = copy.deepcopy(layer)
-        assert clone.phi.position_cache is not cache and len(clone.phi.position_cache) == 0
+        if how == 'deepcopy':
+            clone = copy.deepcopy(layer)
+        else:
+            buffer = io.BytesIO()
+            torch.save(layer, buffer)
+            buffer.seek(0)
+            clone = torch.load(buffer, weights_only=False)
+        assert clone.phi.position_cache is None and len(cache) == 1
         assert torch.equal(output(clone, x), output(layer, x))
+    assert layer.phi.position_cache is None and clone.phi.position_cache is None
+    output(clone, x)
+    with torch.no_grad():
+        clone.phi.norm2_bias.add_(1.0)
+        clone.phi.proj2_weight.data.mul_(2.0)  # a write no version counter sees
+    assert_fresh(clone, x)
+
+
+@pytest.mark.parametrize('round_trip', ['double', 'half', 'bfloat16'])
+def test_a_dtype_round_trip_inside_a_block_serves_no_earlier_bias(round_trip):
+    layer, x = peripheral_layer(), tokens()
+    with cache_positions(layer):
+        output(layer, x)
+        getattr(layer, round_trip)().float()  # the weights are rounded (or not) and back
+        assert_fresh(layer, x)
+
+
+@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
+def test_a_converted_learned_rope_is_served_its_own_rotation(dtype):
+    """RoPE-Mixed converted to half precision inside a block rotates by its rounded frequencies."""
+    torch.manual_seed(0)
+    layer = Attention(32, 2, phi='rope', phi_cfg=dict(frequencies='mixed')).eval()
+    x = torch.randn(2, 20, 32)
+    with cache_positions(layer):
+        output(layer, x)
+        layer.to(dtype)
+        cached = output(layer, x.to(dtype))
+    torch.testing.assert_close(cached, output(layer, x.to(dtype)), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize('name,kwargs', [('pervit_tiny', {}),

@@ -41,7 +41,8 @@ def posattn_outputs(model, images):
         height, width = maps[0].shape[-2:]
         return {'logits': logits,
                 'block_out': {i: m.flatten(2).transpose(1, 2) for i, m in enumerate(maps)},
-                'phi_p': {i: b.attn.phi.position_attention(height, width) for i, b in enumerate(model.blocks)}}
+                'phi_p': {i: b.attn.phi.position_attention(height, width, model.distance_embedding)
+                          for i, b in enumerate(model.blocks)}}
 
 
 def at_tokens(outputs, tokens):

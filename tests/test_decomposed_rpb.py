@@ -43,7 +43,7 @@ def test_bias_matches_the_float64_formula(height, width, prefix, table_size):
     table_size = (height, width) if table_size == 'grid' else table_size
     phi = drawn(table_size=table_size, num_prefix_tokens=prefix)
     q = queries(height, width, prefix)
-    got = phi(q, None, TokenGrid(height, width, prefix))
+    got = phi.logits_bias(q, None, TokenGrid(height, width, prefix))
     expected = decomposed_relative_position_bias(q, phi.rel_pos_h.detach(), phi.rel_pos_w.detach(), height, width,
                                                  prefix)
     assert got.shape == (2, 3, prefix + height * width, prefix + height * width)
@@ -75,7 +75,7 @@ def test_the_bias_is_sams(height, width):
     q = queries(height, width, 0)
     expected = get_decomposed_rel_pos_bias(q.flatten(0, 1), phi.rel_pos_h.detach(), phi.rel_pos_w.detach(),
                                            (height, width), (height, width))
-    got = phi(q, None, TokenGrid(height, width))
+    got = phi.logits_bias(q, None, TokenGrid(height, width))
     torch.testing.assert_close(got, expected.unflatten(0, (2, 3)), rtol=0, atol=1e-12)
 
 
@@ -99,16 +99,16 @@ def test_each_query_reads_its_own_bias_linearly():
     phi = drawn(table_size=(3, 3), num_prefix_tokens=1)
     grid = TokenGrid(3, 4, 1)
     q = queries(3, 4, 1, batch=3)
-    batched = phi(q, None, grid)
+    batched = phi.logits_bias(q, None, grid)
     for image in range(3):
-        torch.testing.assert_close(phi(q[image:image + 1], None, grid)[0], batched[image], rtol=0, atol=1e-12)
-    torch.testing.assert_close(phi(2 * q, None, grid), 2 * batched, rtol=0, atol=1e-12)
+        torch.testing.assert_close(phi.logits_bias(q[image:image + 1], None, grid)[0], batched[image], rtol=0, atol=1e-12)
+    torch.testing.assert_close(phi.logits_bias(2 * q, None, grid), 2 * batched, rtol=0, atol=1e-12)
     assert torch.all(batched[:, :, 0] == 0) and torch.all(batched[:, :, :, 0] == 0)
 
 
 def test_bias_is_in_the_queries_dtype():
     phi = posattn.build_phi('decomposed_rpb', head_dim=8, table_size=(3, 3), num_prefix_tokens=1)
-    bias = phi(queries(4, 2, 1, dtype=torch.bfloat16), None, TokenGrid(4, 2, 1))
+    bias = phi.logits_bias(queries(4, 2, 1, dtype=torch.bfloat16), None, TokenGrid(4, 2, 1))
     assert bias.dtype == torch.bfloat16 and bias.shape == (2, 3, 9, 9)
     layer = Attention(24, 3, phi='decomposed_rpb', num_prefix_tokens=1)
     with torch.autocast('cpu', dtype=torch.bfloat16):
@@ -198,7 +198,7 @@ def test_a_grid_or_queries_that_do_not_fit_name_the_fix():
     phi = posattn.build_phi('decomposed_rpb', head_dim=8, num_prefix_tokens=1)
     with pytest.raises(ValueError, match='decomposed_rpb built with num_prefix_tokens=1 got a 3x4 grid with 2 extra '
                                          'tokens: build it with num_prefix_tokens=2'):
-        phi(torch.zeros(1, 2, 14, 8), None, TokenGrid(3, 4, 2))
+        phi.logits_bias(torch.zeros(1, 2, 14, 8), None, TokenGrid(3, 4, 2))
     with pytest.raises(ValueError, match='decomposed_rpb built with head_dim=8 got queries of 16 channels a head: '
                                          'build it with head_dim=16'):
-        phi(torch.zeros(1, 2, 13, 16), None, TokenGrid(3, 4, 1))
+        phi.logits_bias(torch.zeros(1, 2, 13, 16), None, TokenGrid(3, 4, 1))

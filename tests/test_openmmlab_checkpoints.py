@@ -610,7 +610,7 @@ class PhiToy(Toy):
         super().__init__()
         self.attention = posattn.Attention(4, 2, phi='peripheral')
         self.caches_seen, self.biases = [], []
-        self.attention.phi.register_forward_hook(lambda module, args, bias: self.biases.append(bias))
+        self.attention.logits_probe.register_forward_pre_hook(lambda probe, args: self.biases.append(args[2]))
 
     def forward(self, inputs=None, data_samples=None, mode='tensor'):
         self.caches_seen.append(self.attention.phi.position_cache)

@@ -18,7 +18,7 @@ def test_matches_released_poscnn(kind):
     with torch.no_grad():
         peg.proj.weight.copy_(fixture['weight'])
         peg.proj.bias.copy_(fixture['bias'])
-        out = peg(fixture['x'], (fixture['H'], fixture['W']))
+        out = peg.tokens(fixture['x'], (fixture['H'], fixture['W']))
     torch.testing.assert_close(out, fixture['out'], rtol=0, atol=1e-5)
 
 
@@ -32,7 +32,7 @@ def naive_peg(x, weight, bias, height, width, prefix, residual):
 def test_non_square_grid_with_prefix_tokens(residual):
     peg = posattn.build_phi('peg', dim=6, residual=residual).double()
     x = torch.randn(2, 2 + 5 * 3, 6, dtype=torch.float64)
-    out = peg(x, TokenGrid(5, 3, 2))
+    out = peg.tokens(x, TokenGrid(5, 3, 2))
     torch.testing.assert_close(out, naive_peg(x, peg.proj.weight, peg.proj.bias, 5, 3, 2, residual))
     assert torch.equal(out[:, :2], x[:, :2])
 
@@ -41,7 +41,7 @@ def test_zero_padding_encodes_position():
     """A constant input comes out different at the border than inside (CPVT Sec. 3.2)."""
     peg = posattn.build_phi('peg', dim=4)
     with torch.no_grad():
-        out = peg(torch.ones(1, 16, 4), (4, 4))
+        out = peg.tokens(torch.ones(1, 16, 4), (4, 4))
     assert not torch.allclose(out[0, 0], out[0, 5])
     torch.testing.assert_close(out[0, 5], out[0, 6])
 

@@ -3,6 +3,7 @@ that take ``device`` compute Φp on ``pytest --device`` (conftest.py), the refer
 import pytest
 import torch
 
+import posattn
 from posattn.phi import peripheral_kernel
 from posattn.phi.peripheral import DistanceEmbedding, PeripheralPhi, PeripheralWeights, peripheral_init
 
@@ -101,13 +102,13 @@ def test_fixture_all_layers_of_pervit_tiny(kind, device):
     state = pervit_from_release(fixture['weights'])
     shared = DistanceEmbedding(16)
     shared.load_state_dict({'weight': state['distance_embedding.weight']})
-    shared.to(device)  # not a submodule of the Φp that share it
+    shared.to(device)  # not a submodule of the Φp that read it: given with each call
     for layer in range(12):
-        phi = PeripheralPhi(4, layer_index=layer, num_layers=12, distance_embedding=shared)
+        phi = PeripheralPhi(4, layer_index=layer, num_layers=12, shared_embedding=True)
         prefix = f'blocks.{layer}.attn.phi.'
         phi.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
         with torch.no_grad():
-            value = phi.to(device).position_attention(14, 14)[:, fixture['tokens'].to(device)].cpu()
+            value = phi.to(device).position_attention(14, 14, shared)[:, fixture['tokens'].to(device)].cpu()
         torch.testing.assert_close(value, fixture['phi_p'][layer], rtol=0, atol=1e-4, msg=f'layer {layer}')
 
 
@@ -135,11 +136,22 @@ def test_initial_phi_is_local_and_heads_agree():
     assert value[0, centre].argmax() == centre
 
 
-def test_shared_distance_embedding_is_not_registered_twice():
+def test_a_shared_distance_embedding_is_given_with_each_call():
+    """The model owns it; the Φp declares it as a call input and holds no reference."""
     shared = DistanceEmbedding(8)
-    phis = [PeripheralPhi(2, distance_embedding=shared) for _ in range(2)]
-    assert all(p.distance_embedding is shared for p in phis)
-    assert 'distance_embedding.weight' not in phis[0].state_dict()
+    layer = posattn.Attention(16, 2, phi=PeripheralPhi(2, shared_embedding=True)).eval()
+    assert 'phi.distance_embedding.weight' not in layer.state_dict() and layer.phi.call_inputs == ('distance_embedding',)
     assert 'distance_embedding.weight' in PeripheralPhi(2).state_dict()
-    with pytest.raises(ValueError, match='needs 16 scales, got 8'):
-        PeripheralPhi(4, distance_embedding=shared)
+    owned = posattn.Attention(16, 2, phi=PeripheralPhi(2)).eval()
+    owned.load_state_dict({**layer.state_dict(), 'phi.distance_embedding.weight': shared.weight.detach()})
+    x = torch.randn(2, 12, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x, (3, 4), distance_embedding=shared), owned(x, (3, 4)), rtol=0, atol=0)
+        shared.weight.mul_(3)  # what it reads is what the call gives
+        assert not torch.allclose(layer(x, (3, 4), distance_embedding=shared), owned(x, (3, 4)))
+    with pytest.raises(TypeError, match='reads distance_embedding given with each call'):
+        layer(x, (3, 4))
+    with pytest.raises(TypeError, match='got distance_embedding with the call; .* reads nothing'):
+        owned(x, (3, 4), distance_embedding=shared)
+    with pytest.raises(ValueError, match='reads a DistanceEmbedding of 8 channels .* got DistanceEmbedding of 16'):
+        layer(x, (3, 4), distance_embedding=DistanceEmbedding(16))

@@ -27,9 +27,9 @@ def phi_calls(monkeypatch):
     calls = []
     original = PeripheralPhi.log_position_attention
 
-    def counted(self, height, width):
+    def counted(self, height, width, *embedding):
         calls.append((height, width))
-        return original(self, height, width)
+        return original(self, height, width, *embedding)
     monkeypatch.setattr(PeripheralPhi, 'log_position_attention', counted)
     return calls
 
@@ -54,7 +54,7 @@ def test_release_layout(tiny):
         assert block.attn.qkv.bias is None and block.attn.proj.bias is not None
         assert block.attn.num_heads == 4 and block.mlp.act.approximate == 'none'
         assert block.norm1.eps == block.norm2.eps == 1e-6
-        assert block.attn.phi.distance_embedding is tiny.distance_embedding  # one, shared
+        assert block.attn.phi.call_inputs == ('distance_embedding',) and block.attn.phi.distance_embedding is None
         assert not block.cpe.residual and block.cpe.proj.groups == block.cpe.proj.in_channels
     assert [k for k in tiny.state_dict() if 'distance_embedding' in k] == ['distance_embedding.weight']
     stem = [layer.conv.out_channels for layer in tiny.stem.layers]
@@ -194,7 +194,8 @@ def test_bf16_autocast_keeps_phi_finite(device):
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
         logits = model(images)
         bias = model.blocks[0].attn.phi.logits_bias(torch.zeros(1, 4, 20, 32, dtype=torch.bfloat16, device=device),
-                                                    None, posattn.TokenGrid(4, 5))
+                                                    None, posattn.TokenGrid(4, 5),
+                                                    distance_embedding=model.distance_embedding)
     assert bias.dtype == torch.bfloat16 and torch.isfinite(bias).all() and bias.min() < -30
     # bf16 keeps 8 significant bits, u = 2^-8; through the 12 blocks of this model the logits land
     # 1.25-2.42 u of max|logits| off float64 over six seeds (fp32 is within 1e-6 of float64 here, and

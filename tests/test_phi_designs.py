@@ -128,7 +128,8 @@ def test_designs_train_in_pervit_and_reach_create_model():
         model = PerViT(embed_dims=(32, 32), depths=(1, 1), num_heads=4, stem_dims=(8, 16), num_classes=3,
                        phi_embedding=embedding, phi_neighbourhood=neighbourhood, phi_multi_layer=multi_layer)
         phis = [block.attn.phi for block in model.blocks]
-        assert all(phi.distance_embedding is model.distance_embedding for phi in phis)  # one R per model
+        assert all(phi.distance_embedding is None and phi.call_inputs == ('distance_embedding',)
+                   for phi in phis)  # one R per model, given with each call
         assert (phis[0].proj1_weight is None) != multi_layer
         assert phis[0].proj2_weight.shape[-1] == (3 if neighbourhood else 1)
         F.cross_entropy(model(torch.randn(2, 3, 20, 24)), torch.tensor([0, 2])).backward()
@@ -150,8 +151,9 @@ def test_designs_reach_the_openmmlab_backbone():
 def test_bad_designs_are_named():
     with pytest.raises(ValueError, match="unknown Φp embedding 'sinusoid'"):
         PeripheralPhi(4, embedding='sinusoid')
-    with pytest.raises(ValueError, match="embedding='lrn' needs a shared LearnedEmbedding, got DistanceEmbedding"):
-        PeripheralPhi(4, embedding='lrn', distance_embedding=DistanceEmbedding(16))
+    with pytest.raises(ValueError, match="reads a LearnedEmbedding of 16 channels .* got DistanceEmbedding of 16"):
+        PeripheralPhi(4, embedding='lrn', shared_embedding=True).log_position_attention(
+            3, 3, distance_embedding=DistanceEmbedding(16))
     with pytest.raises(ValueError, match="this Φp is Euc \\+ ML"):
         PeripheralPhi(4, neighbourhood=False).weights()
     with pytest.raises(ValueError, match="unknown phi_embedding 'rope'"):

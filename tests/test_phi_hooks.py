@@ -2,6 +2,7 @@
 what the attention layer hands each hook, where it calls them, and which kernel runs."""
 import pytest
 import torch
+from torch.nn.utils import prune
 
 import posattn
 from posattn import Attention, TokenGrid
@@ -12,6 +13,9 @@ from posattn.reference import softmax_attention
 class ScaledKeys(PositionalModule):
     """Multiplies every grid key by (1 + its row), leaves the queries and prefix keys: position-dependent."""
 
+    def __init__(self):
+        super().__init__(hooks=('queries_keys',))
+
     def queries_keys(self, q, k, grid):
         rows, _ = grid.positions(k.device)
         scale = torch.cat([k.new_ones(grid.num_prefix_tokens), 1.0 + rows.to(k.dtype)])  # (N,)
@@ -20,6 +24,9 @@ class ScaledKeys(PositionalModule):
 
 class UniformMixture(PositionalModule):
     """A = (1 - g) A_content + g U, U uniform over the unmasked keys, g = 0.25."""
+
+    def __init__(self):
+        super().__init__(hooks=('mix_probabilities',))
 
     def mix_probabilities(self, attn, grid, key_mask=None):
         keys = torch.ones_like(attn) if key_mask is None else key_mask[:, None, None, :].to(attn.dtype).expand_as(attn)
@@ -40,12 +47,74 @@ def manual_attention(x, layer, transform=None, mix=None):
     return out @ layer.proj.weight.t() + layer.proj.bias
 
 
-def test_hooks_are_detected_by_override():
+def test_hooks_are_read_from_the_declaration():
     assert ScaledKeys().transforms_queries_keys and not ScaledKeys().mixes_probabilities
     assert UniformMixture().mixes_probabilities and not UniformMixture().transforms_queries_keys
-    for name in ('none', 'peg', 'alibi'):
+    declared = {'none': set(), 'peg': {'tokens'}, 'alibi': {'logits_bias'}}
+    for name, hooks in declared.items():
         phi = posattn.build_phi(name, **({'dim': 8} if name == 'peg' else {'num_heads': 2} if name == 'alibi' else {}))
-        assert not phi.transforms_queries_keys and not phi.mixes_probabilities
+        assert phi.hooks == hooks
+
+
+def test_options_change_the_declaration():
+    """iRPE on the values alone overrides logits_bias (its class does) but gives no bias."""
+    on_values = posattn.build_phi('irpe', num_heads=2, head_dim=4, on='v')
+    assert on_values.hooks == {'value_term'} and on_values.needs_probabilities and not on_values.gives_logits_bias
+    on_keys = posattn.build_phi('irpe', num_heads=2, head_dim=4, on='kv')
+    assert on_keys.hooks == {'logits_bias', 'value_term'} and on_keys.bias_per_image
+    bias_mode = posattn.build_phi('irpe', num_heads=2, head_dim=4, mode='bias', on='qk')
+    assert bias_mode.hooks == {'logits_bias'} and not bias_mode.bias_per_image
+
+
+def test_position_only_attention_refuses_a_phi_without_a_bias():
+    with pytest.raises(ValueError, match="declares one .*IRPE with hooks \\['value_term'\\]"):
+        Attention(16, 2, phi='irpe', phi_cfg={'on': 'v'}, content=False)
+    Attention(16, 2, phi='irpe', phi_cfg={'on': 'k'}, content=False)  # a bias: accepted
+
+
+def test_the_memory_check_counts_only_declared_biases(monkeypatch):
+    """iRPE on v materialises the probabilities (2 B pair terms) and gives no bias (0 more)."""
+    seen = []
+    monkeypatch.setattr(posattn.attention, 'check_fits', lambda nbytes, *args: seen.append(nbytes))
+    layer = Attention(16, 2, phi='irpe', phi_cfg={'on': 'v'})
+    layer(torch.randn(3, 12, 16), (3, 4))
+    assert seen == [2 * 3 * 2 * 12 * 12 * 4]
+    seen.clear()
+    Attention(16, 2, phi='alibi')(torch.randn(3, 12, 16), (3, 4))
+    assert seen == [2 * 1 * 2 * 12 * 12 * 4]  # one batch-free bias and its computation
+
+
+def test_an_undeclared_phi_is_refused_with_the_fix():
+    class Forgotten(PositionalModule):
+        def logits_bias(self, q, k, grid):
+            return None
+
+    with pytest.raises(TypeError, match=r'declares no hooks: pass the hooks it contributes'):
+        Attention(8, 2, phi=Forgotten())
+    with pytest.raises(ValueError, match='unknown Φp hook'):
+        PositionalModule(hooks=('bias',))
+    with pytest.raises(TypeError, match='not the string'):
+        PositionalModule(hooks='logits_bias')
+
+
+def test_a_phi_is_not_called_as_a_module():
+    """The layer calls hooks by name: pruning, which works through a forward pre-hook, is refused;
+    other hooks may be registered (tools hook every module) and never run."""
+    phi = posattn.build_phi('rpb', num_heads=2, table_size=(2, 2))
+    with pytest.raises(TypeError, match='calls its hooks by name'):
+        phi(torch.zeros(1, 2, 4, 4), None, TokenGrid(2, 2))
+    with pytest.raises(TypeError, match='prune recomputes its weight in a forward pre-hook.*parametrize'):
+        phi.register_forward_pre_hook(prune.Identity())
+    with pytest.raises(Exception) as raised:  # prune's own roll-back may fail after it: the reason comes with it
+        prune.random_unstructured(phi, 'relative_position_bias_table', amount=0.5)
+    reasons = [raised.value, raised.value.__context__]
+    assert any(isinstance(e, TypeError) and 'parametrize' in str(e) for e in reasons)
+    phi = posattn.build_phi('rpb', num_heads=2, table_size=(2, 2))
+    calls = []
+    phi.register_forward_hook(lambda *args: calls.append(1))
+    layer = Attention(8, 2, phi=phi)
+    layer(torch.randn(1, 4, 8), (2, 2))
+    assert calls == []
 
 
 @pytest.mark.parametrize('prefix', [0, 1])

@@ -20,7 +20,7 @@ def test_builtins_are_listed():
 def test_build_phi_passes_options():
     phi = posattn.build_phi('peripheral', num_heads=3, layer_index=2, num_layers=4)
     assert phi.norm2_bias.shape == (3,)
-    with pytest.raises(TypeError, match="takes: num_heads, layer_index, num_layers, distance_embedding"):
+    with pytest.raises(TypeError, match="takes: num_heads, layer_index, num_layers, shared_embedding"):
         posattn.build_phi('peripheral', num_heads=3, depth=4)
 
 
@@ -38,10 +38,8 @@ def test_user_phi_with_bias_tokens_and_value_term(scratch_registry):
 
     @register_phi('distance_penalty')
     class DistancePenalty(PositionalModule):
-        uses_attention_probs = True
-
         def __init__(self, num_heads, head_dim, slope=1.0):
-            super().__init__()
+            super().__init__(hooks=('tokens', 'logits_bias', 'value_term'))
             self.slopes = torch.nn.Parameter(slope * torch.arange(1, num_heads + 1, dtype=torch.float32))
             self.value_offset = torch.nn.Parameter(torch.zeros(head_dim))
 

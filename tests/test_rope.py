@@ -187,8 +187,9 @@ def test_mixed_tables_and_initialisation_are_timms():
     torch.manual_seed(5)
     torch.testing.assert_close(ours, init_random_2d_freqs(16, 1, 3, temperature=10.0)[:, 0], rtol=0, atol=0)
     theirs = RotaryEmbeddingMixed(48, depth=2, num_heads=3)
-    phi = posattn.build_phi('rope', head_dim=16, num_heads=3, frequencies='mixed', axis_order='xy',
-                            shared_frequencies=theirs, layer_index=1)
+    phi = posattn.build_phi('rope', head_dim=16, num_heads=3, frequencies='mixed', axis_order='xy')
+    with torch.no_grad():
+        phi.freqs.copy_(theirs.freqs[:, 1])
     sin, cos = theirs.get_embed((3, 5))[1].chunk(2, -1)  # (heads, HW, d) each, interleaved
     assert torch.equal(phi.rotation(TokenGrid(3, 5)), torch.stack([cos[..., ::2], sin[..., ::2]]))
 
@@ -281,18 +282,6 @@ def test_the_position_cache_serves_mixed_tables_until_the_frequencies_change():
     assert layer.phi.rotation(grid) is not layer.phi.rotation(grid)  # outside the block: computed every call
 
 
-def test_a_shared_frequency_module_is_read_not_registered_and_copies_along():
-    owner = torch.nn.Module()
-    owner.freqs = torch.nn.Parameter(torch.randn(2, 3, 2, 4))
-    owner.layers = torch.nn.ModuleList([posattn.build_phi('rope', head_dim=8, num_heads=2, frequencies='mixed',
-                                                          shared_frequencies=owner, layer_index=i) for i in range(3)])
-    assert set(owner.state_dict()) == {'freqs'} and len(list(owner.parameters())) == 1
-    assert owner.layers[2].learned_frequencies.data_ptr() == owner.freqs[:, 2].data_ptr()
-    copied = copy.deepcopy(owner)
-    assert copied.layers[1].shared_frequencies is copied and copied.layers[1].learned_frequencies.data_ptr() == (
-        copied.freqs[:, 1].data_ptr())
-
-
 # --- bad input --------------------------------------------------------------------------------
 
 def test_a_head_dim_not_divisible_by_4_names_the_fix():
@@ -306,26 +295,13 @@ def test_a_head_dim_not_divisible_by_4_names_the_fix():
     ('frequencies', 'learned', "rope frequencies must be 'axial' .* or 'mixed' .*got 'learned'"),
     ('temperature', 0, 'rope temperature must be a number > 0, got 0'),
     ('position_offset', '1', "rope position_offset must be a number, got '1'"),
-    ('reference_grid', (16, 0), r'rope reference_grid must be None or a \(height, width\) pair of ints >= 1'),
+    ('reference_grid', (16, 0), r'rope reference_grid must be a \(height, width\) pair of ints >= 1, .* or None'),
     ('axis_order', 'ij', "rope axis_order must be 'yx' .* or 'xy' .*got 'ij'"),
     ('pairing', 'half', "rope pairing must be 'interleaved' .* or 'halves' .*got 'half'"),
 ])
 def test_bad_options_name_the_problem(option, value, message):
     with pytest.raises(ValueError, match=message):
         posattn.build_phi('rope', **dict(dict(head_dim=8, num_heads=2), **{option: value}))
-
-
-def test_bad_shared_frequencies_name_the_problem():
-    owner = torch.nn.Module()
-    owner.freqs = torch.nn.Parameter(torch.zeros(2, 3, 2, 4))
-    with pytest.raises(ValueError, match="need frequencies='mixed'"):
-        posattn.build_phi('rope', head_dim=8, num_heads=2, shared_frequencies=owner)
-    with pytest.raises(ValueError, match=r'must hold freqs \(2, layers, 4, 4\) for 4 heads of 8 channels .*'
-                                         r'\(2, 3, 2, 4\)'):
-        posattn.build_phi('rope', head_dim=8, num_heads=4, frequencies='mixed', shared_frequencies=owner)
-    with pytest.raises(ValueError, match='rope layer_index 3 is outside the 3 layers of shared_frequencies'):
-        posattn.build_phi('rope', head_dim=8, num_heads=2, frequencies='mixed', shared_frequencies=owner,
-                          layer_index=3)
 
 
 def test_queries_of_another_shape_name_it():

@@ -29,7 +29,7 @@ def drawn_rpb(num_heads=3, seed=0, **cfg):
 
 def bias_of(phi, height, width, prefix, dtype=torch.float64):
     tokens = prefix + height * width
-    return phi(torch.zeros(1, phi.num_heads, tokens, 8, dtype=dtype), None, TokenGrid(height, width, prefix))
+    return phi.logits_bias(torch.zeros(1, phi.num_heads, tokens, 8, dtype=dtype), None, TokenGrid(height, width, prefix))
 
 
 # --- the formula ------------------------------------------------------------------------------
@@ -215,10 +215,10 @@ def test_the_position_cache_serves_the_bias_until_the_table_changes():
     q = torch.zeros(1, 2, 13, 8)
     grid = TokenGrid(3, 4, 1)
     with torch.no_grad(), posattn.cache_positions(layer) as cache:
-        first = layer.phi(q, None, grid)
-        assert layer.phi(q, None, grid) is first and cache.nbytes == first.numel() * 4
+        first = layer.phi.logits_bias(q, None, grid)
+        assert layer.phi.logits_bias(q, None, grid) is first and cache.nbytes == first.numel() * 4
         layer.phi.relative_position_bias_table.add_(1.0)
-        updated = layer.phi(q, None, grid)
+        updated = layer.phi.logits_bias(q, None, grid)
         assert updated is not first and torch.equal(updated, layer.phi.position_bias(grid))
         torch.testing.assert_close(updated, torch.ones_like(updated))  # the cubic weights sum to one
     assert layer.phi.position_cache is None
@@ -245,4 +245,4 @@ def test_a_grid_with_another_prefix_count_names_the_fix():
     phi = posattn.build_phi('rpb', num_heads=2, num_prefix_tokens=1)
     with pytest.raises(ValueError, match='rpb built with num_prefix_tokens=1 got a 3x4 grid with 2 extra tokens: '
                                          'build it with num_prefix_tokens=2'):
-        phi(torch.zeros(1, 2, 14, 8), None, TokenGrid(3, 4, 2))
+        phi.logits_bias(torch.zeros(1, 2, 14, 8), None, TokenGrid(3, 4, 2))

@@ -112,8 +112,11 @@ def test_another_phi_swaps_in_beside_the_gated_attention():
     assert [layer.phi.num_heads for layer in layers] == [4, 4, 4]
     assert [layer.num_prefix_tokens for layer in layers] == [0, 0, 1]
     assert layers[0].own_gpsa.gating_param is not None and layers[2].own_gpsa is None
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "blocks\.0\.attn\.phi\.proj1_weight"'):
+        model.load_state_dict(original, strict=True)  # strict: the Φp's keys are not in ConViT's weights
     with pytest.warns(UserWarning, match='the loaded weights hold no Φp keys'):
-        model.load_state_dict(original, strict=True)  # timm's names of the GPSA's parameters are renamed
+        fresh = posattn.load_original_weights(model, original)  # timm's names of the GPSA's parameters are renamed
+    assert len(fresh) == 21 and all('.attn.phi.' in key for key in fresh)  # 3 layers x 7 peripheral parameters
     model.train()
     loss = F.cross_entropy(model(x), torch.tensor([1, 2]))
     loss.backward()

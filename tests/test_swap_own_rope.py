@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import posattn
 from conftest import randomised
 from posattn.phi.rope import RotaryPositionEmbedding
+from posattn.swap.timm_eva import GivenRotation
 from posattn.swap import swap_attention
 
 timm = pytest.importorskip('timm')
@@ -109,6 +110,7 @@ def test_outputs_are_the_models_in_float64(name, size):
     x = image(model_size if size == 'model' else other_size, torch.float64)
     without = swap_attention(copy.deepcopy(original), phi='none', own_positions=False).eval()
     rope_tables_in_float64(original)
+    rope_tables_in_float64(converted)  # RoPE-Mixed's: the model's, given to each block's Φp
     with torch.no_grad():
         expected, got = original(x), converted(x)
         assert relative_error(got, expected) < 1e-10
@@ -130,11 +132,12 @@ def test_each_layer_holds_the_rope_of_the_models_settings(name):
     settings = MODELS[name][3]
     for index, block in enumerate(converted.blocks):
         phi = block.attn.phi
-        assert isinstance(phi, RotaryPositionEmbedding) and not block.attn.own_positions
+        assert not block.attn.own_positions
+        if settings.get('frequencies') == 'mixed':  # the model owns the frequencies and gives each block its RoPE
+            assert isinstance(phi, GivenRotation) and phi.call_inputs == ('rope',) and not list(phi.parameters())
+            continue
+        assert isinstance(phi, RotaryPositionEmbedding)
         assert all(getattr(phi, option) == value for option, value in settings.items())
-        if phi.frequencies == 'mixed':
-            assert phi.shared_frequencies is converted.rope and phi.freqs is None
-            assert phi.learned_frequencies.data_ptr() == converted.rope.freqs[:, index].data_ptr()
 
 
 @pytest.mark.parametrize('name', list(MODELS))
@@ -159,13 +162,18 @@ def test_a_training_step_updates_the_models_mixed_frequencies():
     assert torch.isfinite(loss) and torch.all(freqs.grad.abs().sum((0, 2, 3)) > 0)  # every layer's slice
     optimizer.step()
     assert converted.rope.freqs is freqs and (freqs.detach() - before).abs().min() > 0
-    assert torch.equal(converted.blocks[1].attn.phi.learned_frequencies, freqs[:, 1])
 
 
 def test_a_copy_reads_its_own_frequencies():
+    """The frequencies are the model's, its RoPE given to each block with the call: a copy reads its own."""
     converted, _ = own_and_original('rope_mixed')
     copied = copy.deepcopy(converted)
-    assert all(block.attn.phi.shared_frequencies is copied.rope for block in copied.blocks)
+    with torch.no_grad():
+        copied.rope.freqs.mul_(2)
+        x = image((64, 64))
+        assert not torch.allclose(copied(x), converted(x))
+        converted.rope.freqs.mul_(2)
+        torch.testing.assert_close(copied(x), converted(x), rtol=0, atol=0)
 
 
 def tiny_eva(**kw):

@@ -11,6 +11,7 @@ import torch
 import posattn
 from conftest import randomised
 from posattn.phi.rpb import RelativePositionBias
+from posattn.swap.timm_beit import GivenBias
 from posattn.swap import SwappedAttention, swap_attention
 
 timm = pytest.importorskip('timm')
@@ -32,6 +33,9 @@ MODELS = {  # name: (build, input size)
     'beit': (beit, (64, 64)),
     'beit, shared table': (lambda: beit(use_rel_pos_bias=False, use_shared_rel_pos_bias=True), (64, 64)),
 }
+
+
+TABLE_PHI_MODELS = [name for name in MODELS if name != 'beit, shared table']  # whose Φp hold a table
 
 
 def drawn(name, seed=0):
@@ -67,14 +71,15 @@ def test_own_gives_timms_outputs(name):
     model = drawn(name)
     x = images(MODELS[name][1])
     swapped = swap_attention(copy.deepcopy(model), phi='own')
-    assert all(isinstance(layer.phi, RelativePositionBias) and not layer.own_positions for layer in layers(swapped))
+    kind = GivenBias if name == 'beit, shared table' else RelativePositionBias
+    assert all(isinstance(layer.phi, kind) and not layer.own_positions for layer in layers(swapped))
     assert_same_outputs(swapped, model, x)
     with torch.no_grad():  # the tables matter: without them the outputs differ
         dropped = swap_attention(copy.deepcopy(model), phi='none', own_positions=False)(x)
     assert (dropped - model(x)).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize('name', list(MODELS))
+@pytest.mark.parametrize('name', TABLE_PHI_MODELS)
 def test_the_phi_bias_is_timms_bias_exactly(name):
     """rpb's rows and BEiT's class-token entries read timm's index: the same bias, bit for bit."""
     model = drawn(name)
@@ -85,14 +90,12 @@ def test_the_phi_bias_is_timms_bias_exactly(name):
     windows = [tuple(m.window_size) for m in originals]
     swapped = swap_attention(model, phi='own')
     phis = [layer.phi for layer in layers(swapped)]
-    if name == 'beit, shared table':  # one table, read by every block's Φp
-        phis = phis[:1]
     for phi, bias, window in zip(phis, expected, windows):
         grid = posattn.TokenGrid(*window, prefix)
         assert torch.equal(phi.position_bias(grid).detach(), bias.reshape(1, -1, grid.num_tokens, grid.num_tokens))
 
 
-@pytest.mark.parametrize('name', list(MODELS))
+@pytest.mark.parametrize('name', TABLE_PHI_MODELS)
 def test_the_phi_holds_the_models_table_and_a_step_trains_it(name):
     model = drawn(name)
     before = tables(model)
@@ -128,8 +131,26 @@ def test_timms_weights_load_strictly_and_give_timms_outputs(name):
     assert_same_outputs(again, other, images(MODELS[name][1]))
 
 
+def test_the_shared_table_stays_the_models_trained_and_resized_by_it():
+    """BEiT's one shared table: every block's Φp adds the bias the model computes and gives it."""
+    model = drawn('beit, shared table')
+    table = model.rel_pos_bias.relative_position_bias_table
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    swapped = swap_attention(model, phi='own').train()
+    assert [id(p) for p in swapped.parameters()].count(id(table)) == 1
+    saved = table.detach().clone()
+    swapped(images((64, 64))).square().mean().backward()
+    optimizer.step()
+    assert table.grad is not None and (table - saved).abs().max() > 0
+    original = drawn('beit, shared table')
+    resized = swap_attention(copy.deepcopy(original), phi='own')
+    for m in (original, resized):
+        m.set_input_size(img_size=(96, 80))
+    assert_same_outputs(resized, original, images((96, 80)))
+
+
 @pytest.mark.parametrize('name,size', [('swin', (96, 96)), ('swin, 3 x 5 windows', (64, 80)),
-                                       ('beit', (96, 80)), ('beit, shared table', (96, 80))])
+                                       ('beit', (96, 80))])
 def test_timms_set_input_size_resizes_the_phis_table_as_timms(name, size):
     """timm resizes its tables to the new windows (or patch grid) by its own interpolation, which is
     not rpb's bicubic resampling: the converted tables are resized by timm's code all the same, so the
@@ -166,9 +187,12 @@ def test_torchvision_swin_tables_become_rpb_with_the_outputs():
 
 
 def test_a_copied_model_reads_its_own_shared_table():
+    """The shared table is the model's, given to each block with the call: a copy reads its own."""
     swapped = swap_attention(drawn('beit, shared table'), phi='own')
     copied = copy.deepcopy(swapped)
-    assert all(layer.phi.table_owner is copied.rel_pos_bias for layer in layers(copied))
+    assert all(isinstance(layer.phi, GivenBias) and not list(layer.phi.parameters()) for layer in layers(copied))
+    assert [name for name, _ in copied.named_parameters() if 'relative_position' in name] == [
+        'rel_pos_bias.relative_position_bias_table']
     with torch.no_grad():
         copied.rel_pos_bias.relative_position_bias_table.zero_()
     x = images((64, 64))
@@ -207,7 +231,3 @@ def test_rpb_takes_a_table_of_its_layout_only():
         phi.set_table(torch.nn.Parameter(torch.zeros(35, 2)), (3, 4))
     with pytest.raises(ValueError, match=r'got Tensor of shape \(38, 2\)'):
         phi.set_table(torch.zeros(38, 2), (3, 4))
-    owner = timm.models.beit.RelativePositionBias((2, 2), num_heads=3)
-    with pytest.raises(ValueError, match=r'rpb with 2 heads and 3 extra entries reads a table of shape \(12, 2\) '
-                                         r'for a 2x2 grid; RelativePositionBias holds one of shape \(12, 3\)'):
-        phi.share_table(owner)

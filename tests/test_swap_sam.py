@@ -85,7 +85,7 @@ def test_the_phi_sees_the_window_grid_or_the_maps():
     grids = []
     swapped = swap_attention(sam(), phi='decomposed_rpb', table_size=(3, 3))
     for layer in layers(swapped):
-        layer.phi.register_forward_pre_hook(lambda phi, args: grids.append(args[2]))
+        layer.logits_probe.register_forward_pre_hook(lambda probe, args: grids.append(args[3]))
     with torch.no_grad():
         swapped(images(48, 80, dtype=torch.float32))
     assert grids == [posattn.TokenGrid(3, 3), posattn.TokenGrid(3, 5), posattn.TokenGrid(3, 3)]

@@ -62,9 +62,10 @@ def test_analyze_reads_a_release_checkpoint(tmp_path):
     assert 'position.pdf, samples.pdf, measures.pdf' in stdout and not list(tmp_path.glob('*.png'))
     for name in ('position.pdf', 'samples.pdf', 'measures.pdf'):
         assert (tmp_path / name).read_bytes()[:5] == b'%PDF-'
-    phi = posattn.create_model('pervit_tiny', checkpoint=path).blocks[0].attn.phi
+    model = posattn.create_model('pervit_tiny', checkpoint=path)
     with torch.no_grad():
-        expected = nonlocality(phi.position_attention(4, 4), TokenGrid(4, 4))
+        expected = nonlocality(model.blocks[0].attn.phi.position_attention(4, 4, model.distance_embedding),
+                               TokenGrid(4, 4))
     assert record['layers'][0]['nonlocality_position'] == pytest.approx(expected.tolist(), rel=1e-5)
 
 

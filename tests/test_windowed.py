@@ -123,9 +123,10 @@ def test_key_mask_errors():
         Attention(4, 1)(torch.randn(2, 5, 4), (1, 5), key_mask=torch.ones(1, 5, dtype=torch.bool))
 
 
-def reference_windowed_attention(layer: Attention, x: torch.Tensor, height: int, width: int, ws: int):
+def reference_windowed_attention(layer: Attention, x: torch.Tensor, height: int, width: int, ws: int,
+                                 distance_embedding=None):
     """Per window, attention among its real tokens only, Φp of the ws x ws window restricted to them."""
-    log_phi = layer.phi.log_position_attention(ws, ws)  # (heads, ws*ws, ws*ws)
+    log_phi = layer.phi.log_position_attention(ws, ws, distance_embedding)  # (heads, ws*ws, ws*ws)
     heads, head_dim = layer.num_heads, layer.head_dim
     grid = x.view(x.shape[0], height, width, -1)
     out = torch.zeros_like(x).view_as(grid)
@@ -149,7 +150,7 @@ def test_padded_windows_equal_attention_restricted_to_the_real_tokens(height, wi
         param.data.add_(0.3 * torch.randn_like(param))
     x = torch.randn(2, height * width, 8, dtype=torch.float64, requires_grad=True)
     params = list(block.attn.parameters())
-    got = block._attend(x, TokenGrid(height, width))
+    got = block._attend(x, TokenGrid(height, width), {})
     expected = reference_windowed_attention(block.attn, x, height, width, ws)
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
     upstream = torch.randn_like(got)
@@ -178,7 +179,7 @@ def test_windows_and_global_blocks_on_a_non_square_grid(monkeypatch):
     grids = []
     original = PeripheralPhi.log_position_attention
     monkeypatch.setattr(PeripheralPhi, 'log_position_attention',
-                        lambda self, h, w: grids.append((h, w)) or original(self, h, w))
+                        lambda self, h, w, *embedding: grids.append((h, w)) or original(self, h, w, *embedding))
     images = torch.randn(2, 3, 20, 28, dtype=torch.float64)
     out = model.forward_features(images)
     assert out.shape == (2, 24, 5, 7) and torch.isfinite(out).all()
@@ -187,8 +188,8 @@ def test_windows_and_global_blocks_on_a_non_square_grid(monkeypatch):
     expected = x
     for block in model.blocks:  # each windowed block against the per-window reference
         tokens = block.norm1(block.cpe.tokens(expected, grid))
-        attended = (block.attn(tokens, grid) if block.window_size is None
-                    else reference_windowed_attention(block.attn, tokens, 5, 7, 3))
+        attended = (block.attn(tokens, grid, distance_embedding=model.distance_embedding) if block.window_size is None
+                    else reference_windowed_attention(block.attn, tokens, 5, 7, 3, model.distance_embedding))
         expected = expected + attended
         expected = block.res(expected) + block.mlp(block.norm2(expected))
     torch.testing.assert_close(out, model.norm(expected).transpose(1, 2).reshape(2, 24, 5, 7),
@@ -217,5 +218,5 @@ def test_logits_probe_sees_the_key_mask_by_keyword():
     block.attn.logits_probe.register_forward_hook(
         lambda module, args, kwargs, output: seen.append((args[2].shape, args[3], kwargs['key_mask'].shape)),
         with_kwargs=True)
-    block._attend(torch.randn(2, 20, 8), TokenGrid(4, 5))
+    block._attend(torch.randn(2, 20, 8), TokenGrid(4, 5), {})
     assert seen == [((1, 2, 9, 9), TokenGrid(3, 3), (2 * 4, 9))]

@@ -10,7 +10,7 @@
 """
 from __future__ import annotations
 
-from typing import Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.utils.checkpoint
@@ -125,13 +125,19 @@ class BlockStackApi:
         ``grid``, each followed by ``_after_block``, yielding (block index, tokens) after each.
         With gradient checkpointing on and gradients enabled, each block (not ``_after_block``) is
         recomputed in the backward pass (``torch.utils.checkpoint``, non-reentrant)."""
+        inputs = self._block_inputs()
         for i, block in enumerate(self.blocks[:num_blocks]):
             if self.grad_checkpointing and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, grid, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, grid, use_reentrant=False, **inputs)
             else:
-                x = block(x, grid)
+                x = block(x, grid, **inputs)
             x = self._after_block(i, x, grid)
             yield i, x
+
+    def _block_inputs(self) -> Dict[str, Any]:
+        """What every block is given besides its tokens and grid: the model's shared state, which its
+        blocks pass on to their attention's Φp (PerViT's ``distance_embedding``); none by default."""
+        return {}
 
     def _after_block(self, index: int, x: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
         return x

@@ -152,16 +152,18 @@ class PerViTBlock(nn.Module):
         self.drop_path2 = DropPath(drop_path)
         self.res = nn.Linear(dim, out_dim) if out_dim != dim else nn.Identity()
 
-    def forward(self, x: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
-        """x: (B, H*W, dim) on ``grid`` -> (B, H*W, out_dim)."""
-        x = x + self.drop_path1(self._attend(self.norm1(self.cpe.tokens(x, grid)), grid))
+    def forward(self, x: torch.Tensor, grid: TokenGrid, **phi_inputs: Any) -> torch.Tensor:
+        """x: (B, H*W, dim) on ``grid`` -> (B, H*W, out_dim); ``phi_inputs``: the model's shared state
+        (its ``distance_embedding``), passed on where the attention's Φp reads it."""
+        x = x + self.drop_path1(self._attend(self.norm1(self.cpe.tokens(x, grid)), grid, phi_inputs))
         return self.res(x) + self.drop_path2(self.mlp(self.norm2(x)))
 
-    def _attend(self, x: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
+    def _attend(self, x: torch.Tensor, grid: TokenGrid, phi_inputs: Dict[str, Any]) -> torch.Tensor:
+        phi_inputs = self.attn.taking(phi_inputs)
         if self.window_size is None:
-            return self.attn(x, grid)
+            return self.attn(x, grid, **phi_inputs)
         windows = GridWindows(grid, self.window_size)
-        out = self.attn(windows.partition(x), windows.window_grid, windows.key_mask(x.shape[0], x.device))
+        out = self.attn(windows.partition(x), windows.window_grid, windows.key_mask(x.shape[0], x.device), **phi_inputs)
         return windows.merge(out)  # (B, H*W, dim)
 
     def extra_repr(self) -> str:
@@ -260,8 +262,8 @@ class PerViT(ClassifierApi, BlockStackApi, nn.Module):
         def layer_phi(i: int) -> Union[PeripheralPhi, NoPosition]:
             if phi == 'none':
                 return NoPosition()
-            return PeripheralPhi(num_heads, layer_index=i, num_layers=num_layers,
-                                 distance_embedding=self.distance_embedding, init=phi_init, **design)
+            return PeripheralPhi(num_heads, layer_index=i, num_layers=num_layers, shared_embedding=True,
+                                 init=phi_init, **design)
 
         self.blocks = nn.ModuleList([
             PerViTBlock(dims[i], out_dims[i], num_heads, layer_phi(i), drop_paths[i],
@@ -291,24 +293,11 @@ class PerViT(ClassifierApi, BlockStackApi, nn.Module):
         """Images (B, 3, H, W) -> the first block's input (B, h*w, C0) and its grid (the stem's)."""
         return self.stem(x)
 
-    def iter_blocks(self, x: torch.Tensor, grid: TokenGrid,
-                    num_blocks: Optional[int] = None) -> Iterator[Tuple[int, torch.Tensor]]:
-        """Runs the first ``num_blocks`` blocks (all by default), yielding (block index, tokens) after
-        each, once every Φp reads this model's distance embedding (:meth:`_share_distance_embedding`)."""
-        self._share_distance_embedding()
-        return super().iter_blocks(x, grid, num_blocks)
-
-    def _share_distance_embedding(self) -> None:
-        """Every peripheral Φp reads this model's distance embedding. A copy that rewires only
-        registered submodules (``nn.DataParallel``'s replicas) leaves each Φp's reference on the
-        original's embedding, on another device: the replica's Φp take the replica's own."""
-        embedding = self._modules.get('distance_embedding')
-        if embedding is None:
-            return
-        for block in self.blocks:
-            phi = block.attn.phi
-            if isinstance(phi, PeripheralPhi) and phi.distance_embedding is not embedding:
-                phi.share_distance_embedding(embedding)
+    def _block_inputs(self) -> Dict[str, Any]:
+        """Every block's Φp reads this model's one distance embedding, given with each call (so a
+        copy, or ``nn.DataParallel``'s replica, reads its own)."""
+        embedding = getattr(self, 'distance_embedding', None)
+        return {} if embedding is None else {'distance_embedding': embedding}
 
     def _as_features(self, tokens: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
         """``forward_features`` returns the final normalised map (B, C, ceil(H/16), ceil(W/16))."""

@@ -221,7 +221,7 @@ class VisionTransformer(ClassifierApi, BlockStackApi, nn.Module):
     def _after_block(self, index: int, x: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
         """Block ``index``'s output through the PEG that follows it, if it has one."""
         key = str(index)
-        return self.pegs[key](x, grid) if key in self.pegs else x
+        return self.pegs[key].tokens(x, grid) if key in self.pegs else x
 
     def _as_features(self, tokens: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
         """``forward_features`` returns the normalised tokens (B, prefix + h*w, embed_dim) as they are."""

@@ -1,19 +1,27 @@
 """``alibi``: 2D ALiBi, attention with linear biases (Press et al., ICLR 2022) on the image grid,
 as CROMA (Fuller et al., NeurIPS 2023) uses it:
 
-    b[h, i, j] = -m_h ||p_i - p_j||_2,     m_h = 2^(-8 (h + 1) / n),  h = 0 .. n - 1,
+    b[h, i, j] = -m_h ||p_i - p_j||_2,
 
 the Euclidean distance between the grid positions (row, column) of query i and key j, in grid
-units, times a fixed slope per head: ALiBi's geometric sequence that starts at 2^(-8/n) with that
-same ratio (Sec. 3 of the ALiBi paper). The slopes are not learned. Pairs that involve a prefix
-(class) token get no bias. The formula, pair by pair: :func:`posattn.reference.alibi_bias`.
+units, times a fixed slope m_h per head. The slopes are those of ALiBi's released ``get_slopes``
+(which CROMA copies), every one 2 to a power:
+
+- n a power of two: the geometric sequence m_h = 2^(-8 (h + 1) / n), h = 0 .. n - 1, which starts
+  at 2^(-8/n) with that same ratio (Sec. 3 of the ALiBi paper; 8 heads: 1/2, 1/4, ..., 1/256);
+- otherwise, with p the largest power of two below n: the p slopes of p heads, then the first
+  n - p of every other slope of 2p heads, 2^(-8 (2k + 1) / (2p)), k = 0 .. n - p - 1
+  (3 heads: 1/16, 1/256, 1/4; 6 heads: 1/4, 1/16, 1/64, 1/256, 1/2, 1/8).
+
+The slopes are not learned. Pairs that involve a prefix (class) token get no bias. The formula,
+pair by pair: :func:`posattn.reference.alibi_bias`.
 """
 from __future__ import annotations
 
 import torch
 
 from .._cache import grid_constant
-from ..grid import TokenGrid, _is_integer
+from ..grid import TokenGrid, is_integer
 from .base import PositionalModule
 from .registry import register_phi
 
@@ -22,8 +30,20 @@ __all__ = ['ALiBi2D', 'alibi_slopes', 'grid_distances']
 
 def alibi_slopes(num_heads: int, dtype: torch.dtype = torch.float32,
                  device: torch.device = torch.device('cpu')) -> torch.Tensor:
-    """ALiBi's slopes m_h = 2^(-8 (h + 1) / n) of n heads: (heads,), computed on ``device`` in ``dtype``."""
-    return torch.exp2(torch.arange(1, num_heads + 1, dtype=dtype, device=device) * (-8.0 / num_heads))
+    """ALiBi's slopes m_h of n heads, in the order of its released ``get_slopes`` (module docstring):
+    (heads,) in ``dtype`` on ``device``.
+
+    The exponents are exact binary fractions; each slope is 2^exponent in float64 (a Python float),
+    rounded once more to ``dtype``, so a slope 2^-k is exact in every floating dtype.
+    """
+    if not is_integer(num_heads) or num_heads < 1:
+        raise ValueError(f'alibi_slopes needs an int num_heads >= 1, got {num_heads!r}')
+    num_heads = int(num_heads)
+    power = 1 << (num_heads.bit_length() - 1)  # p, the largest power of two <= num_heads
+    exponents = [-8 * (h + 1) / power for h in range(power)]
+    exponents += [-8 * (2 * k + 1) / (2 * power) for k in range(num_heads - power)]  # every other one of 2p
+    # Python's pow, not torch.exp2: the vectorised float64 exp2 of PyTorch's CPU kernels can be an ulp off.
+    return torch.tensor([2.0 ** exponent for exponent in exponents], dtype=dtype, device=device)
 
 
 @grid_constant(max_bytes=256 << 20)
@@ -35,7 +55,7 @@ def grid_distances(height: int, width: int, dtype: torch.dtype = torch.float32,
     """
     rows, cols = TokenGrid(height, width).positions(device)
     squared = (rows[:, None] - rows[None]) ** 2 + (cols[:, None] - cols[None]) ** 2  # exact in int64
-    return squared.to(dtype).sqrt()  # the correctly rounded root of an exact integer
+    return squared.to(dtype).sqrt()  # the root of an exact integer (vectorised sqrt: within an ulp)
 
 
 @register_phi('alibi')
@@ -43,12 +63,12 @@ class ALiBi2D(PositionalModule):
     """2D ALiBi (module docstring): a fixed bias, linear in the distance, with no parameters.
 
     Args:
-        num_heads: attention heads: head h has slope 2^(-8 (h + 1) / num_heads).
+        num_heads: attention heads; head h has ALiBi's slope m_h (:func:`alibi_slopes`).
     """
 
     def __init__(self, num_heads: int):
-        super().__init__()
-        if not _is_integer(num_heads) or num_heads < 1:
+        super().__init__(hooks=('logits_bias',))
+        if not is_integer(num_heads) or num_heads < 1:
             raise ValueError(f'alibi num_heads must be an int >= 1, got {num_heads!r}')
         self.num_heads = int(num_heads)
 
@@ -57,16 +77,10 @@ class ALiBi2D(PositionalModule):
         """m_h of every head, (heads,) float32 on the CPU: a new tensor at every read."""
         return alibi_slopes(self.num_heads)
 
-    def logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
-        """b[h, i, j] of the module docstring: (1, heads, N, N) in q's dtype, on q's device."""
-        if self.position_cache is not None:  # a function of the grid alone
-            return self.position_cache.get(self, (grid, q.dtype, q.device), (),
-                                           lambda: self.position_bias(grid, q.dtype, q.device))
-        return self.position_bias(grid, q.dtype, q.device)
-
     def position_bias(self, grid: TokenGrid, dtype: torch.dtype = torch.float32,
                       device: torch.device = torch.device('cpu')) -> torch.Tensor:
-        """The bias on ``grid`` (1, heads, N, N), zero wherever a prefix token is; computed in float32
+        """b[h, i, j] of the module docstring on ``grid``: (1, heads, N, N), zero wherever a prefix token
+        is; the logits bias (:meth:`logits_bias`, served by :func:`posattn.cache_positions`). Computed in float32
         at least (float64 for float64)."""
         precision = torch.promote_types(dtype, torch.float32)
         distances = grid_distances(grid.height, grid.width, precision, device)  # (HW, HW)

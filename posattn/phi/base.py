@@ -1,8 +1,8 @@
-"""The Φp interface: what a positional module may contribute to multi-head attention.
+"""The Φp contract: what a positional module may contribute to multi-head attention, declared.
 
 Every positional module ("Φp", after PerViT's notation) is a function of the token grid that
-touches attention in up to five places. Think of it like FlexAttention's ``score_mod``: one
-interface, no special cases in the attention layer.
+touches attention in up to five places, its hooks. Think of it like FlexAttention's ``score_mod``:
+one interface, no special cases in the attention layer.
 
     x    <- tokens(x, grid)                       token mixing before qkv (PEG / CPE)
     q, k <- queries_keys(q, k, grid)              rotation of queries and keys (RoPE)
@@ -10,63 +10,129 @@ interface, no special cases in the attention layer.
     A    <- mix_probabilities(A, grid, key_mask)  probabilities mixed with positional ones (ConViT's GPSA)
     out  =  A v + value_term(A, grid)             contextual terms on values (iRPE-V)
 
-Each hook is a no-op by default, so a Φp overrides only what it contributes. The attention layer
-calls the module itself for the logits bias (``phi(q, k, grid)``, whose ``forward`` is
-``logits_bias``), so that its forward hooks and pre-hooks run (``torch.nn.utils.prune``, hooks
-that observe or edit the bias). A Φp that gives no logits bias may make ``forward`` its own
-contribution instead (PEG's is the token mixing, which ``tokens`` calls).
+A Φp declares, in its constructor, which hooks it contributes (``hooks``), whether its logits
+bias depends on the tokens (``bias_per_image``) and what it reads that another module owns
+(``call_inputs``); the attention layer and its memory check read that declaration and call each
+declared hook by its name, nothing else. The declaration belongs to the instance, so options can
+change it (iRPE on the values alone gives no logits bias).
+
+State a Φp shares with other modules is never an unregistered reference: it is given with each
+call, as timm's Eva gives its blocks ``rope=`` and BEiT ``shared_rel_pos_bias=``. A Φp that declares
+``call_inputs=('distance_embedding',)`` receives ``distance_embedding=...`` in every hook it declares,
+from ``layer(x, hw, distance_embedding=...)``; its ``.to()``, ``state_dict()`` and deep copies are
+then those of what it owns, which is all that its hooks read besides their arguments.
+
+A bias that depends on the grid and the Φp's weights alone is written as :meth:`position_bias`;
+the default :meth:`logits_bias` serves it through :func:`posattn.cache_positions` where a user
+opened one, so that no Φp handles caching itself. What such a value is computed from, the Φp's
+position inputs, is by default every parameter and buffer it holds (:meth:`position_inputs`).
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, FrozenSet, Hashable, Iterable, Iterator, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
-from .._cache import PositionCache
+from .._cache import cacheable_context
+from .._compat import ConversionNotified
 from ..grid import TokenGrid
+from .cache import PositionCache, attach, attached_cache, detach
 
-__all__ = ['PositionalModule']
+__all__ = ['PositionalModule', 'HOOKS', 'cache_positions']
+
+# The hooks a Φp may contribute, in the order the attention layer calls them.
+HOOKS = ('tokens', 'queries_keys', 'logits_bias', 'mix_probabilities', 'value_term')
 
 
-class PositionalModule(nn.Module):
+class PositionalModule(ConversionNotified):
     """Base class of every Φp; subclasses register with :func:`posattn.register_phi`.
 
-    Class attributes:
-        uses_attention_probs: True when :meth:`value_term` contributes, which needs the
-            attention probabilities materialised (no fused kernel).
-        bias_per_image: True when the logits bias depends on the tokens, (B, heads, N, N) rather
-            than (1, heads, N, N): the layer's memory check counts it once per image.
-        position_cache: the :class:`~posattn._cache.PositionCache` a token-independent bias may be
-            served from, set by :func:`posattn.cache_positions` for the length of its block; None
-            (no caching) otherwise.
+    Args:
+        hooks: the hooks this Φp contributes, a subset of :data:`HOOKS`; the layer calls these and
+            no others. None (not declared) is refused by the attention layer, so that a Φp whose
+            declaration was forgotten fails loudly instead of contributing nothing.
+        bias_per_image: its logits bias depends on the tokens, (B, heads, N, N) rather than
+            (1, heads, N, N): the layer's memory check counts it once per image, and it is never cached.
+        call_inputs: names of what its hooks read that it does not own (a model's shared embedding,
+            a bias the model computes once for all layers), given with each call of the layer as
+            keyword arguments and passed on to each declared hook.
+
+    The hooks are called by name, not through ``forward``: module forward hooks never run on a Φp
+    (tools that hook every module, such as FLOP counters, may register them), and
+    ``torch.nn.utils.prune``, which recomputes its weight in one, is refused. To observe what the
+    softmax sees, hook the layer's ``logits_probe``; to reparametrize a weight, use
+    ``torch.nn.utils.parametrize``, which applies at every read.
     """
-    uses_attention_probs: bool = False
-    bias_per_image: bool = False
-    position_cache: Optional[PositionCache] = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> Optional[torch.Tensor]:
-        """The logits bias, :meth:`logits_bias`: the layer calls ``phi(q, k, grid)``, so hooks run."""
-        return self.logits_bias(q, k, grid)
+    def __init__(self, hooks: Optional[Iterable[str]] = None, *, bias_per_image: bool = False,
+                 call_inputs: Iterable[str] = ()):
+        super().__init__()
+        self.hooks: Optional[FrozenSet[str]] = None if hooks is None else self._checked_hooks(hooks)
+        if not isinstance(bias_per_image, bool):
+            raise TypeError(f'bias_per_image must be True or False, got {bias_per_image!r}')
+        self.bias_per_image = bias_per_image
+        names = (call_inputs,) if isinstance(call_inputs, str) else tuple(call_inputs)
+        if isinstance(call_inputs, str) or not all(isinstance(name, str) and name.isidentifier() for name in names):
+            raise TypeError(f'call_inputs is a collection of keyword names, e.g. ("distance_embedding",), '
+                            f'got {call_inputs!r}')
+        self.call_inputs: Tuple[str, ...] = tuple(dict.fromkeys(names))
 
-    def _overrides(self, hook: str) -> bool:
-        return getattr(type(self), hook) is not getattr(PositionalModule, hook)
+    @staticmethod
+    def _checked_hooks(hooks: Iterable[str]) -> FrozenSet[str]:
+        if isinstance(hooks, str):
+            raise TypeError(f'hooks is a collection of hook names, e.g. ({hooks!r},), not the string {hooks!r}')
+        declared = frozenset(hooks)
+        unknown = sorted(declared - set(HOOKS))
+        if unknown:
+            raise ValueError(f'unknown Φp hook(s) {unknown}; the hooks are {", ".join(HOOKS)}')
+        return declared
+
+    def given(self, inputs: Mapping[str, Any]) -> Dict[str, Any]:
+        """The declared call inputs among ``inputs`` (what the layer was called with), or a TypeError
+        naming the one that is missing."""
+        missing = [name for name in self.call_inputs if name not in inputs]
+        if missing:
+            raise TypeError(f'{type(self).__name__} reads {", ".join(missing)} given with each call: pass it to '
+                            f'the layer, layer(x, hw, {missing[0]}=...) (its model does)')
+        return {name: inputs[name] for name in self.call_inputs}
+
+    def contributes(self, hook: str) -> bool:
+        """Whether this Φp declared ``hook`` (one of :data:`HOOKS`)."""
+        return hook in self.declared_hooks()
+
+    def declared_hooks(self) -> FrozenSet[str]:
+        """The declared hooks, or a TypeError naming the fix where the Φp declared none."""
+        if self.hooks is None:
+            raise TypeError(f'{type(self).__name__} declares no hooks: pass the hooks it contributes to '
+                            f'PositionalModule.__init__, e.g. super().__init__(hooks=("logits_bias",)); '
+                            f'the hooks are {", ".join(HOOKS)}')
+        return self.hooks
 
     @property
     def gives_logits_bias(self) -> bool:
-        """Whether this Φp contributes a logits bias (overrides :meth:`logits_bias`)."""
-        return self._overrides('logits_bias')
+        """Whether this Φp declared a logits bias."""
+        return self.contributes('logits_bias')
 
     @property
     def transforms_queries_keys(self) -> bool:
-        """Whether this Φp changes the queries and keys (overrides :meth:`queries_keys`)."""
-        return self._overrides('queries_keys')
+        """Whether this Φp declared a transform of the queries and keys."""
+        return self.contributes('queries_keys')
 
     @property
     def mixes_probabilities(self) -> bool:
-        """Whether this Φp changes the attention probabilities (overrides :meth:`mix_probabilities`),
-        which needs them materialised (no fused kernel)."""
-        return self._overrides('mix_probabilities')
+        """Whether this Φp declared a mixture of the attention probabilities."""
+        return self.contributes('mix_probabilities')
+
+    @property
+    def needs_probabilities(self) -> bool:
+        """Whether a declared hook reads the (B, heads, N, N) probabilities (a mixture or a value
+        term), which the layer then materialises (no fused kernel)."""
+        return self.contributes('mix_probabilities') or self.contributes('value_term')
+
+    # The hooks: each the identity or nothing, for the Φp to override where it declares one.
 
     def tokens(self, x: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
         """Transform the layer's input tokens ``x`` (B, N, C) before the qkv projection."""
@@ -86,8 +152,8 @@ class PositionalModule(nn.Module):
         """
         return q, k
 
-    def logits_bias(self, q: torch.Tensor, k: torch.Tensor,
-                    grid: TokenGrid) -> Optional[torch.Tensor]:
+    def logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid,
+                    **given: Any) -> Optional[torch.Tensor]:
         """Additive bias on the attention logits.
 
         Args:
@@ -97,8 +163,19 @@ class PositionalModule(nn.Module):
         Returns:
             None, or a tensor broadcastable to (B, heads, N, N) in q's dtype: (1, heads, N, N)
             for a content-independent bias, which lets kernels sum its gradient over the batch.
+
+        By default :meth:`position_bias` in q's dtype on q's device, served by
+        :func:`posattn.cache_positions` inside its block; ``given``: the declared call inputs.
         """
-        return None
+        return self.cached(('logits_bias', grid, q.dtype, q.device),
+                           lambda: self.position_bias(grid, q.dtype, q.device, **given), given)
+
+    def position_bias(self, grid: TokenGrid, dtype: torch.dtype, device: torch.device,
+                      **given: Any) -> torch.Tensor:
+        """A bias that depends on the grid, this module's position inputs and its call inputs alone,
+        (1, heads, N, N) in ``dtype`` on ``device``: what the default :meth:`logits_bias` gives."""
+        raise NotImplementedError(f'{type(self).__name__} declares a logits bias: override logits_bias, '
+                                  'or position_bias for one that does not depend on the tokens')
 
     def mix_probabilities(self, attn: torch.Tensor, grid: TokenGrid,
                           key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -110,3 +187,89 @@ class PositionalModule(nn.Module):
     def value_term(self, attn: torch.Tensor, grid: TokenGrid) -> Optional[torch.Tensor]:
         """Term added to ``attn @ v``, given the probabilities ``attn`` (B, heads, N, N)."""
         return None
+
+    # Caching, owned here: a Φp states what its positions are computed from, never how to cache.
+
+    def position_inputs(self) -> Tuple[torch.Tensor, ...]:
+        """The tensors this Φp's cached position terms are computed from, as read for this call:
+        every parameter and buffer it holds (a parametrized weight's original and the
+        parametrization's own). A Φp that reads other tensors adds them here."""
+        return (*self.parameters(), *self.buffers())
+
+    @property
+    def position_cache(self) -> Optional[PositionCache]:
+        """The cache of the :func:`posattn.cache_positions` block this module is in, or None."""
+        return attached_cache(self)
+
+    def cached(self, key: Hashable, compute: Callable[[], torch.Tensor],
+               given: Optional[Mapping[str, Any]] = None) -> torch.Tensor:
+        """``compute()``, a function of the grid, of :meth:`position_inputs` and of the call inputs
+        ``given`` (tensors, or modules: their parameters and buffers) alone, that ``key`` (hashable:
+        the grid, dtype, device and what else it depends on) tells apart, served from the cache of
+        the enclosing :func:`posattn.cache_positions` block while those inputs are unchanged;
+        computed at every call outside such a block."""
+        if not cacheable_context():  # a compiler records the computation, never a cached value
+            return compute()
+        cache = attached_cache(self)
+        if cache is None:
+            return compute()
+        inputs = self.position_inputs() + tuple(t for value in (given or {}).values() for t in _tensors_of(value))
+        return cache.get(self, key, inputs, compute)
+
+    def before_conversion(self) -> None:
+        # A dtype or device conversion (.to, .half, .double, ...) may keep each weight's identity and
+        # version while changing its values: nothing cached before it is served after it.
+        cache = attached_cache(self)
+        if cache is not None:
+            cache.forget(self)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(f'{type(self).__name__} is a Φp: the attention layer calls its hooks by name '
+                        f'({", ".join(HOOKS)}), not the module; call the hook you want, e.g. '
+                        'phi.logits_bias(q, k, grid) or phi.tokens(x, grid)')
+
+    def register_forward_pre_hook(self, hook: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        # torch.nn.utils.prune recomputes the pruned weight in a forward pre-hook, which never runs on
+        # a Φp: the weight would stay as it was when pruned, however training changed it.
+        if isinstance(hook, prune.BasePruningMethod):
+            raise TypeError(_NOT_CALLED.format(name=type(self).__name__))
+        return super().register_forward_pre_hook(hook, *args, **kwargs)
+
+
+def _tensors_of(value: Any) -> Tuple[torch.Tensor, ...]:
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, nn.Module):
+        return (*value.parameters(), *value.buffers())
+    raise TypeError(f'a cached position term reads tensors or modules, got {type(value).__name__}')
+
+
+_NOT_CALLED = ('{name} is a Φp, whose hooks the attention layer calls by name: torch.nn.utils.prune recomputes '
+               'its weight in a forward pre-hook, which would never run. Reparametrize the weight with '
+               'torch.nn.utils.parametrize, which applies at every read (a mask is a parametrization).')
+
+
+@contextmanager
+def cache_positions(model: nn.Module, max_bytes: int = 1 << 30) -> Iterator[PositionCache]:
+    """Reuse the position terms of ``model``'s Φp modules across calls, within ``max_bytes``.
+
+        with posattn.cache_positions(model.eval()) as cache:
+            for images in loader:
+                logits = model(images)
+
+    Inside the block, a Φp whose bias does not depend on the tokens (``peripheral``, ``rpb``,
+    ``alibi``, ``irpe`` in bias mode; ``gpsa``'s positional attention, ``rope``'s learned rotation)
+    computes it once per grid, dtype and device and serves it again while its position inputs are
+    unchanged (:class:`~posattn.phi.cache.PositionCache` says what it checks). Leaving the block
+    detaches and empties the cache, freeing its memory; ``cache.clear()`` empties it inside. Outside
+    such a block nothing is cached: every call computes its bias. The modules of ``model`` as they
+    are when the block opens are served; a copy made inside the block is not.
+    """
+    cache = PositionCache(max_bytes)
+    phis = [module for module in model.modules() if isinstance(module, PositionalModule)]
+    previous = attach(phis, cache)
+    try:
+        yield cache
+    finally:
+        detach(phis, previous)
+        cache.clear()

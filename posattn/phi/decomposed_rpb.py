@@ -27,10 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._cache import grid_constant
-from ..grid import TokenGrid, _is_integer
+from ..grid import TokenGrid
 from .base import PositionalModule
 from .registry import register_phi
-from .rpb import checked_prefix_count, checked_table_size
+from .options import checked_count, checked_grid_prefix, checked_prefix_tokens
+from .rpb import checked_table_size
 
 __all__ = ['DecomposedRelativePositionBias', 'axis_offset_index', 'resampled_offsets']
 
@@ -62,15 +63,10 @@ class DecomposedRelativePositionBias(PositionalModule):
         num_prefix_tokens: extra tokens before the grid; the attention layer's own count.
     """
 
-    bias_per_image = True  # the bias reads the queries
-
     def __init__(self, head_dim: int, table_size: Sequence[int] = (14, 14), num_prefix_tokens: int = 0):
-        super().__init__()
-        if not _is_integer(head_dim) or head_dim < 1:
-            raise ValueError(f'decomposed_rpb head_dim must be an int >= 1, got {head_dim!r}')
-        if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
-            raise ValueError(f'decomposed_rpb num_prefix_tokens (extra tokens before the grid) must be an int '
-                             f'>= 0, got {num_prefix_tokens!r}')
+        super().__init__(hooks=('logits_bias',), bias_per_image=True)  # the bias reads the queries
+        head_dim = checked_count(head_dim, 'decomposed_rpb', 'head_dim')
+        num_prefix_tokens = checked_prefix_tokens(num_prefix_tokens, 'decomposed_rpb')
         height, width = checked_table_size(table_size, 'decomposed_rpb')
         self.num_prefix_tokens = num_prefix_tokens
         self.rel_pos_h = nn.Parameter(torch.zeros(2 * height - 1, int(head_dim)))  # SAM's names and layout
@@ -116,7 +112,7 @@ class DecomposedRelativePositionBias(PositionalModule):
     def logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
         """b[h, i, j] of the module docstring from the queries q (B, heads, N, d): (B, heads, N, N) in
         q's dtype, zero wherever a prefix token is."""
-        grid = checked_prefix_count(grid, self.num_prefix_tokens, 'decomposed_rpb')
+        grid = checked_grid_prefix(grid, self.num_prefix_tokens, 'decomposed_rpb')
         if q.shape[-1] != self.head_dim:
             raise ValueError(f'decomposed_rpb built with head_dim={self.head_dim} got queries of {q.shape[-1]} '
                              f'channels a head: build it with head_dim={q.shape[-1]}')

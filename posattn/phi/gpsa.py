@@ -39,8 +39,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._cache import grid_constant
-from ..grid import TokenGrid, _is_integer
+from ..grid import TokenGrid
 from .base import PositionalModule
+from .options import checked_count, checked_grid_prefix, checked_prefix_tokens
 from .registry import register_phi
 
 __all__ = ['GatedPositionalAttention', 'relative_offsets', 'local_offsets']
@@ -86,17 +87,14 @@ class GatedPositionalAttention(PositionalModule):
 
     def __init__(self, num_heads: int, locality_strength: float = 1.0, local_init: bool = True,
                  num_prefix_tokens: int = 0):
-        super().__init__()
-        if not _is_integer(num_heads) or num_heads < 1:
-            raise ValueError(f'gpsa num_heads must be an int >= 1, got {num_heads!r}')
+        super().__init__(hooks=('mix_probabilities',))
+        num_heads = checked_count(num_heads, 'gpsa', 'num_heads')
         if isinstance(locality_strength, bool) or not isinstance(locality_strength, (int, float)) or not (
                 math.isfinite(locality_strength) and locality_strength > 0):
             raise ValueError(f'gpsa locality_strength must be a finite number > 0, got {locality_strength!r}')
         if not isinstance(local_init, bool):
             raise ValueError(f'gpsa local_init must be True or False, got {local_init!r}')
-        if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
-            raise ValueError(f'gpsa num_prefix_tokens (extra tokens before the grid) must be an int >= 0, '
-                             f'got {num_prefix_tokens!r}')
+        num_prefix_tokens = checked_prefix_tokens(num_prefix_tokens, 'gpsa')
         self.num_heads = int(num_heads)
         self.locality_strength = float(locality_strength)
         self.local_init = local_init
@@ -123,10 +121,7 @@ class GatedPositionalAttention(PositionalModule):
         return torch.sigmoid(self.gating_param)
 
     def _grid(self, grid: TokenGrid) -> TokenGrid:
-        if grid.num_prefix_tokens != self.num_prefix_tokens:
-            raise ValueError(f'gpsa built with num_prefix_tokens={self.num_prefix_tokens} got a {grid}: build it '
-                             f'with num_prefix_tokens={grid.num_prefix_tokens}, the number of extra tokens')
-        return grid
+        return checked_grid_prefix(grid, self.num_prefix_tokens, 'gpsa')
 
     def position_logits(self, height: int, width: int) -> torch.Tensor:
         """v_h · r_ij + c_h over the grid pairs: (heads, HW, HW) in ``pos_proj``'s dtype, [head, query, key].
@@ -142,12 +137,9 @@ class GatedPositionalAttention(PositionalModule):
     def position_attention(self, height: int, width: int) -> torch.Tensor:
         """The positional attention softmax_j(v_h · r_ij + c_h) over the grid pairs: (heads, HW, HW),
         rows summing to 1, [head, query, key]; served by :func:`posattn.cache_positions` inside its block."""
-        if self.position_cache is not None:  # a function of pos_proj alone
-            weight, bias = self.pos_proj.weight, self.pos_proj.bias
-            inputs = (weight,) if bias is None else (weight, bias)
-            return self.position_cache.get(self, (height, width, weight.dtype, weight.device), inputs,
-                                           lambda: self.position_logits(height, width).softmax(-1))
-        return self.position_logits(height, width).softmax(-1)
+        weight = self.pos_proj.weight
+        return self.cached(('position_attention', height, width, weight.dtype, weight.device),
+                           lambda: self.position_logits(height, width).softmax(-1))
 
     def _masked_position_attention(self, grid: TokenGrid, key_mask: torch.Tensor) -> torch.Tensor:
         """The positional attention over the grid keys ``key_mask`` (B, N) keeps: (B, heads, HW, HW);

@@ -22,6 +22,7 @@ from torch import nn
 from .._cache import grid_constant
 from ..grid import GridLike, TokenGrid
 from .base import PositionalModule
+from .options import checked_grid_prefix, checked_prefix_tokens
 from .registry import register_phi
 
 __all__ = ['IRPE', 'bucket_ids', 'num_buckets', 'piecewise_index']
@@ -132,7 +133,10 @@ class IRPE(PositionalModule):
 
     def __init__(self, num_heads: int, head_dim: int, method: str = 'product', mode: str = 'ctx',
                  on: str = 'k', shared_head: bool = True, ratio: float = 1.9, num_prefix_tokens: int = 0):
-        super().__init__()
+        # a table on q or k gives a logits bias (read by the tokens in ctx mode), one on v a value term
+        on_logits = isinstance(on, str) and ('q' in on or 'k' in on)
+        super().__init__(hooks=['logits_bias'] * on_logits + ['value_term'] * (isinstance(on, str) and 'v' in on),
+                         bias_per_image=mode == 'ctx' and on_logits)
         if method not in METHODS:
             raise ValueError(f'unknown iRPE method {method!r}; choose one of {", ".join(METHODS)}')
         if mode not in MODES:
@@ -144,15 +148,11 @@ class IRPE(PositionalModule):
                              f"or on={on.replace('v', '') or 'k'!r}")
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 0:
             raise ValueError(f'iRPE ratio must be a number > 0, got {ratio!r}')
-        if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
-            raise ValueError(f'iRPE num_prefix_tokens (extra tokens before the grid) must be an int >= 0, '
-                             f'got {num_prefix_tokens!r}')
+        num_prefix_tokens = checked_prefix_tokens(num_prefix_tokens, 'iRPE')
         self.num_heads, self.head_dim = num_heads, head_dim
         self.method, self.mode, self.on = method, mode, on
         self.shared_head, self.ratio, self.num_prefix_tokens = shared_head, float(ratio), num_prefix_tokens
         self.num_buckets = num_buckets(method, self.ratio, num_prefix_tokens)
-        self.uses_attention_probs = 'v' in on
-        self.bias_per_image = mode == 'ctx' and ('q' in on or 'k' in on)
         for target in on:
             if method == 'cross':
                 tables = nn.ModuleDict({axis: LookupTable(self.table_shape(target), mode) for axis in _CROSS_AXES})
@@ -179,10 +179,7 @@ class IRPE(PositionalModule):
 
     def _grid(self, hw: GridLike) -> TokenGrid:
         if isinstance(hw, TokenGrid):
-            if hw.num_prefix_tokens != self.num_prefix_tokens:
-                raise ValueError(f'iRPE built with num_prefix_tokens={self.num_prefix_tokens} got a {hw}: '
-                                 f'build it with num_prefix_tokens={hw.num_prefix_tokens}, the number of extra tokens')
-            return hw
+            return checked_grid_prefix(hw, self.num_prefix_tokens, 'iRPE')
         return TokenGrid.of(hw, self.num_prefix_tokens)
 
     def term(self, on: str, x: torch.Tensor, hw: GridLike) -> torch.Tensor:
@@ -224,11 +221,11 @@ class IRPE(PositionalModule):
         gathered = lookup.gather(-1, ids.expand(batch, heads, tokens, tokens))
         return gathered.transpose(-2, -1) if on == 'q' else gathered
 
-    def logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> Optional[torch.Tensor]:
-        if self.mode == 'bias' and self.position_cache is not None:  # then it does not depend on q and k
-            tables = tuple(table for target in 'qk' if target in self.on for table in self._tables(target))
-            return self.position_cache.get(self, (grid, q.dtype, q.device), tables,
-                                           lambda: self._logits_bias(q, k, grid))
+    def logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
+        """The terms on k and q (module docstring): (1, heads or 1, N, N) in bias mode, a function of the
+        grid and the tables alone (served by :func:`posattn.cache_positions`), (B, heads, N, N) in ctx mode."""
+        if self.mode == 'bias':
+            return self.cached(('logits_bias', grid, q.dtype, q.device), lambda: self._logits_bias(q, k, grid))
         return self._logits_bias(q, k, grid)
 
     def _logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> Optional[torch.Tensor]:

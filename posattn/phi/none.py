@@ -8,3 +8,6 @@ __all__ = ['NoPosition']
 @register_phi('none')
 class NoPosition(PositionalModule):
     """Contributes nothing: attention is softmax(q k^T / sqrt(d)) v (Vaswani et al. 2017)."""
+
+    def __init__(self):
+        super().__init__(hooks=())

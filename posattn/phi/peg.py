@@ -29,11 +29,11 @@ class PositionEncodingGenerator(PositionalModule):
     """
 
     def __init__(self, dim: int, residual: bool = True):
-        super().__init__()
+        super().__init__(hooks=('tokens',))
         self.residual = residual
         self.proj = nn.Conv2d(dim, dim, 3, 1, 1, groups=dim)
 
-    def forward(self, x: torch.Tensor, hw: GridLike) -> torch.Tensor:
+    def tokens(self, x: torch.Tensor, hw: GridLike) -> torch.Tensor:
         """x (B, N, C) on ``hw`` (a TokenGrid, or (H, W) without prefix tokens) -> (B, N, C)."""
         grid = hw if isinstance(hw, TokenGrid) else TokenGrid.of(hw)
         grid.check_num_tokens(x.shape[1])
@@ -43,9 +43,6 @@ class PositionEncodingGenerator(PositionalModule):
         if self.residual:
             out = out + feature_map
         return torch.cat([prefix, rearrange(out, 'b c h w -> b (h w) c')], dim=1)
-
-    def tokens(self, x: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
-        return self(x, grid)
 
     def extra_repr(self) -> str:
         return f'residual={self.residual}'

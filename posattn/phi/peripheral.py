@@ -160,14 +160,15 @@ class PeripheralPhi(PositionalModule):
             initialisation of the second norm (:func:`peripheral_init`); the default single
             layer gets s = -5, v = 3, the paper's "conv" initialisation.
         num_layers: number of layers the initialisation spreads over.
-        distance_embedding: a :class:`DistanceEmbedding` shared with other layers (the release
-            shares one per model). The owner registers it; this module does not, so a model's
-            state_dict holds it once. None creates one owned by this module.
+        shared_embedding: the distance embedding R is its model's, shared by the layers (the release
+            keeps one per model), owned by the model and given with each call as
+            ``distance_embedding=`` (the layer passes it on to :meth:`logits_bias`): the model's
+            state_dict holds it once. False (the default) gives this module its own.
         init: 'peripheral' (the release's, by layer), 'conv' (s = -5, v = 3 in every layer) or
             'rand' (every parameter random, :func:`random_init_`; a shared distance embedding
             is its owner's to initialise): the initialisations of the paper's Table 5.
         embedding: R, 'euc' (:class:`DistanceEmbedding`, PerViT's) or 'lrn'
-            (:class:`LearnedEmbedding`); a shared ``distance_embedding`` must be of that kind.
+            (:class:`LearnedEmbedding`); a shared one given with a call must be of that kind.
         neighbourhood: the projections refer to the 3x3 neighbourhood N of each key (PerViT's
             peripheral projection); False makes them 1x1, each key on its own.
         multi_layer: ML, PP1 -> IN1 -> ReLU -> PP2 -> IN2 (PerViT's); False is one projection
@@ -176,24 +177,17 @@ class PeripheralPhi(PositionalModule):
     """
 
     def __init__(self, num_heads: int, layer_index: int = 0, num_layers: int = 1,
-                 distance_embedding: Optional[nn.Module] = None, init: str = 'peripheral',
+                 shared_embedding: bool = False, init: str = 'peripheral',
                  embedding: str = 'euc', neighbourhood: bool = True, multi_layer: bool = True):
-        super().__init__()
+        super().__init__(hooks=('logits_bias',), call_inputs=('distance_embedding',) if shared_embedding else ())
         if init not in PHI_INITS:
             raise ValueError(f'unknown Φp initialisation {init!r}; choose one of {sorted(PHI_INITS)}')
         if embedding not in EMBEDDINGS:
             raise ValueError(f'unknown Φp embedding {embedding!r}; choose one of {sorted(EMBEDDINGS)}')
+        if not isinstance(shared_embedding, bool):
+            raise ValueError(f'shared_embedding must be True or False, got {shared_embedding!r}')
         channels = 4 * num_heads
-        if distance_embedding is None:
-            self.distance_embedding = EMBEDDINGS[embedding](channels)
-        else:
-            if not isinstance(distance_embedding, EMBEDDINGS[embedding]):
-                raise ValueError(f'embedding={embedding!r} needs a shared {EMBEDDINGS[embedding].__name__}, '
-                                 f'got {type(distance_embedding).__name__}')
-            if distance_embedding.num_channels != channels:
-                raise ValueError(f'a shared distance embedding for {num_heads} heads needs '
-                                 f'{channels} scales, got {distance_embedding.num_channels}')
-            self.share_distance_embedding(distance_embedding)
+        self.distance_embedding = None if shared_embedding else EMBEDDINGS[embedding](channels)
         self.num_heads = num_heads
         self.init = init
         self.embedding, self.neighbourhood, self.multi_layer = embedding, neighbourhood, multi_layer
@@ -213,23 +207,37 @@ class PeripheralPhi(PositionalModule):
             for parameter in self.parameters():  # the distance embedding too where this module owns it
                 random_init_(parameter)
 
-    def share_distance_embedding(self, embedding: nn.Module) -> None:
-        """Read ``embedding``, registered by its owner, not by this module (so that a model's
-        state_dict and optimiser see it once)."""
-        object.__setattr__(self, 'distance_embedding', embedding)
+    def embedding_of(self, distance_embedding: Optional[nn.Module] = None) -> nn.Module:
+        """R's module: this module's own, or (``shared_embedding``) the model's ``distance_embedding``
+        given with the call, checked against this Φp's kind and width."""
+        if self.distance_embedding is not None:
+            if distance_embedding is not None and distance_embedding is not self.distance_embedding:
+                raise ValueError('this peripheral Φp has its own distance embedding and takes none with a call; '
+                                 'build it with shared_embedding=True to read its model\'s')
+            return self.distance_embedding
+        if distance_embedding is None:
+            raise TypeError("this peripheral Φp reads its model's distance embedding (shared_embedding=True), given "
+                            'with each call: pass distance_embedding=model.distance_embedding')
+        kind, channels = EMBEDDINGS[self.embedding], 4 * self.num_heads
+        if not isinstance(distance_embedding, kind) or distance_embedding.num_channels != channels:
+            raise ValueError(f'this peripheral Φp reads a {kind.__name__} of {channels} channels ({self.num_heads} '
+                             f'heads, embedding={self.embedding!r}), got {type(distance_embedding).__name__} of '
+                             f'{getattr(distance_embedding, "num_channels", "?")}')
+        return distance_embedding
 
     @property
     def is_pervit_design(self) -> bool:
         """PerViT's own design, Euc + N + ML (the release's, on the fast path)."""
         return self.embedding == 'euc' and self.neighbourhood and self.multi_layer
 
-    def weights(self) -> PeripheralWeights:
+    def weights(self, distance_embedding: Optional[nn.Module] = None) -> PeripheralWeights:
         """The parameters, as :func:`peripheral_log_attention` and
-        :func:`posattn.reference.peripheral_position_attention` take them (PerViT's design only)."""
+        :func:`posattn.reference.peripheral_position_attention` take them (PerViT's design only);
+        ``distance_embedding``: the model's, where it is shared (:meth:`embedding_of`)."""
         if not self.is_pervit_design:
             raise ValueError(f'weights() holds the parameters of PerViT\'s design (euc, neighbourhood, multi-layer); '
                              f'this Φp is {self.design}')
-        return PeripheralWeights(self.distance_embedding.weight, self.proj1_weight, self.norm1_weight,
+        return PeripheralWeights(self.embedding_of(distance_embedding).weight, self.proj1_weight, self.norm1_weight,
                                  self.norm1_bias, self.proj2_weight, self.norm2_weight, self.norm2_bias)
 
     @property
@@ -237,46 +245,39 @@ class PeripheralPhi(PositionalModule):
         """Table 5's name of the design: 'Euc + N + ML' (PerViT's), 'Lrn + ML', 'Euc', ..."""
         return ' + '.join([self.embedding.capitalize()] + ['N'] * self.neighbourhood + ['ML'] * self.multi_layer)
 
-    def log_position_attention(self, height: int, width: int) -> torch.Tensor:
-        """log Φp for an H x W grid: (heads, H*W, H*W) in the parameters' dtype, [head, query, key]."""
+    def log_position_attention(self, height: int, width: int,
+                               distance_embedding: Optional[nn.Module] = None) -> torch.Tensor:
+        """log Φp for an H x W grid: (heads, H*W, H*W) in the parameters' dtype, [head, query, key];
+        ``distance_embedding``: the model's, where it is shared (:meth:`embedding_of`)."""
         _refuse_function_transforms()
+        embedding = self.embedding_of(distance_embedding)
         device_type = self.proj2_weight.device.type
         if not torch.amp.is_autocast_available(device_type):  # e.g. 'meta': nothing to turn off
-            return self._log_position_attention(height, width)
+            return self._log_position_attention(height, width, embedding)
         with torch.autocast(device_type, enabled=False):
-            return self._log_position_attention(height, width)
+            return self._log_position_attention(height, width, embedding)
 
-    def _log_position_attention(self, height: int, width: int) -> torch.Tensor:
+    def _log_position_attention(self, height: int, width: int, embedding: nn.Module) -> torch.Tensor:
         if self.is_pervit_design:
-            return peripheral_log_attention(height, width, self.weights())
+            return peripheral_log_attention(height, width, self.weights(embedding))
         reach = (self.proj2_weight.shape[-1] - 1) // 2 * (2 if self.multi_layer else 1)
-        return design_log_attention(height, width, self.distance_embedding.canvas(height, width, reach),
+        return design_log_attention(height, width, embedding.canvas(height, width, reach),
                                     self.proj2_weight, self.norm2_weight, self.norm2_bias,
                                     self.proj1_weight, self.norm1_weight, self.norm1_bias)
 
-    def position_attention(self, height: int, width: int) -> torch.Tensor:
+    def position_attention(self, height: int, width: int,
+                           distance_embedding: Optional[nn.Module] = None) -> torch.Tensor:
         """Φp itself (heads, H*W, H*W), values in (0, 1), indexed [head, query, key]."""
-        return torch.exp(self.log_position_attention(height, width))
+        return torch.exp(self.log_position_attention(height, width, distance_embedding))
 
-    def _bias(self, grid: TokenGrid, dtype: torch.dtype) -> torch.Tensor:
-        bias = grid.pad_prefix(self.log_position_attention(grid.height, grid.width))
+    def position_bias(self, grid: TokenGrid, dtype: torch.dtype, device: Optional[torch.device] = None,
+                      distance_embedding: Optional[nn.Module] = None) -> torch.Tensor:
+        """log Φp on ``grid``, zero wherever a prefix token is: (1, heads, N, N) in ``dtype``, on the
+        parameters' device; the logits bias (:meth:`logits_bias`, served by :func:`posattn.cache_positions`)."""
+        bias = grid.pad_prefix(self.log_position_attention(grid.height, grid.width, distance_embedding))
         return bias.to(dtype).unsqueeze(0)  # (1, heads, N, N)
-
-    def bias_inputs(self) -> Tuple[torch.Tensor, ...]:
-        """The tensors the bias is computed from, as this call reads them (a parametrized or pruned
-        weight is computed on access): the embedding's (a shared one's too) and this module's."""
-        embedding = self.distance_embedding
-        read = [embedding.weight if isinstance(embedding, DistanceEmbedding) else embedding.table]
-        read += [getattr(self, name) for name in ('proj1_weight', 'norm1_weight', 'norm1_bias', 'proj2_weight',
-                                                  'norm2_weight', 'norm2_bias')]
-        return tuple(t for t in read if t is not None)
-
-    def logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
-        if self.position_cache is None:
-            return self._bias(grid, q.dtype)
-        return self.position_cache.get(self, (grid, q.dtype, q.device), self.bias_inputs(),
-                                       lambda: self._bias(grid, q.dtype))
 
     def extra_repr(self) -> str:
         return (f'num_heads={self.num_heads}' + ('' if self.init == 'peripheral' else f', init={self.init!r}')
+                + (', shared_embedding=True' if self.distance_embedding is None else '')
                 + ('' if self.is_pervit_design else f', design={self.design!r}'))

@@ -46,8 +46,9 @@ import torch
 from torch import nn
 
 from .._cache import grid_constant
-from ..grid import TokenGrid, _is_integer
+from ..grid import TokenGrid, is_integer
 from .base import PositionalModule
+from .options import checked_count, checked_pair
 from .registry import register_phi
 
 __all__ = ['RotaryPositionEmbedding', 'axial_frequencies', 'mixed_frequencies_init', 'grid_coordinates',
@@ -151,14 +152,8 @@ def _reference_grid(reference_grid: Optional[Sequence[int]]) -> Optional[Tuple[i
     """``reference_grid`` as an (h, w) pair of ints >= 1 or None, or a ValueError saying what it takes."""
     if reference_grid is None:
         return None
-    try:
-        height, width = reference_grid
-    except (TypeError, ValueError):
-        height = width = None
-    if not (_is_integer(height) and _is_integer(width) and height >= 1 and width >= 1):
-        raise ValueError(f'rope reference_grid must be None or a (height, width) pair of ints >= 1, the grid '
-                         f'every input grid is scaled to (EVA-02: (16, 16)); got {reference_grid!r}')
-    return int(height), int(width)
+    return checked_pair(reference_grid, 'rope', 'reference_grid',
+                        'the grid every input grid is scaled to (EVA-02: (16, 16)), or None')
 
 
 @register_phi('rope')
@@ -166,9 +161,8 @@ class RotaryPositionEmbedding(PositionalModule):
     """2D rotary position embedding of the queries and keys (module docstring); no logits bias.
 
     Axial frequencies are fixed (no parameters); their sine and cosine per grid are constants of
-    the grid, cached (:func:`axial_rotation`). Mixed frequencies are learned: the layer's own
-    ``freqs`` Parameter, or its slice of a model-wide one (``shared_frequencies``); their rotation
-    is computed at every call, or served by :func:`posattn.cache_positions` while the frequencies
+    the grid, cached (:func:`axial_rotation`). Mixed frequencies are learned, the layer's own
+    ``freqs`` Parameter; their rotation is computed at every call, or served by :func:`posattn.cache_positions` while the frequencies
     are unchanged. Angles and their sine and cosine are computed in float32 at least (float64 for
     float64 queries), as timm does, and the rotated queries and keys keep their dtype.
 
@@ -189,24 +183,17 @@ class RotaryPositionEmbedding(PositionalModule):
             'xy': the column (RoPE-ViT, Perception Encoder; timm's ``'xy'``).
         pairing: 'interleaved': channels (2p, 2p + 1) form pair p, or 'halves': (p, p + d / 2)
             (timm's ``rotate_half``).
-        shared_frequencies: mixed only: a module whose ``freqs`` Parameter (2, layers, heads, d / 2)
-            holds the frequencies of every layer (timm's ``RotaryEmbeddingMixed``, ``model.rope``);
-            this Φp reads its ``layer_index`` slice and does not register the module (its owner
-            saves and trains it once). None: the Φp owns its layer's ``freqs`` (2, heads, d / 2).
-        layer_index: this layer's slice of ``shared_frequencies``.
     """
 
     def __init__(self, head_dim: int, num_heads: int, frequencies: str = 'axial', temperature: Optional[float] = None,
                  position_offset: float = 0.0, reference_grid: Optional[Sequence[int]] = None,
-                 axis_order: str = 'yx', pairing: str = 'interleaved', shared_frequencies: Optional[nn.Module] = None,
-                 layer_index: int = 0):
-        super().__init__()
-        if not _is_integer(head_dim) or head_dim < 4 or head_dim % 4:
+                 axis_order: str = 'yx', pairing: str = 'interleaved'):
+        super().__init__(hooks=('queries_keys',))
+        if not is_integer(head_dim) or head_dim < 4 or head_dim % 4:
             raise ValueError(f'rope needs head_dim, the channels per head, to be a multiple of 4 (pairs of channels '
                              f'for two axes); got {head_dim!r}: pick num_heads so that dim / num_heads is a '
                              'multiple of 4')
-        if not _is_integer(num_heads) or num_heads < 1:
-            raise ValueError(f'rope num_heads must be an int >= 1, got {num_heads!r}')
+        num_heads = checked_count(num_heads, 'rope', 'num_heads')
         if frequencies not in FREQUENCIES:
             raise ValueError(f"rope frequencies must be 'axial' (fixed, EVA-02) or 'mixed' (learned, RoPE-Mixed); "
                              f'got {frequencies!r}')
@@ -225,39 +212,14 @@ class RotaryPositionEmbedding(PositionalModule):
         self.temperature, self.position_offset = float(temperature), float(position_offset)
         self.reference_grid = _reference_grid(reference_grid)
         self.axis_order, self.pairing = axis_order, pairing
-        self.layer_index = layer_index
-        if shared_frequencies is not None:
-            self._check_shared(shared_frequencies, layer_index)
-        object.__setattr__(self, 'shared_frequencies', shared_frequencies)  # its owner registers it
-        owned = frequencies == 'mixed' and shared_frequencies is None
+        owned = frequencies == 'mixed'
         self.register_parameter('freqs', nn.Parameter(mixed_frequencies_init(
             self.head_dim, self.num_heads, self.temperature)) if owned else None)
 
-    def _check_shared(self, shared: nn.Module, layer_index: int) -> None:
-        if self.frequencies != 'mixed':
-            raise ValueError("rope shared_frequencies are learned frequencies: they need frequencies='mixed'")
-        freqs = getattr(shared, 'freqs', None)
-        expected = (2, self.num_heads, self.head_dim // 2)
-        if not isinstance(freqs, torch.Tensor) or freqs.dim() != 4 or (freqs.shape[0], *freqs.shape[2:]) != expected:
-            raise ValueError(f'rope shared_frequencies must hold freqs (2, layers, {self.num_heads}, '
-                             f'{self.head_dim // 2}) for {self.num_heads} heads of {self.head_dim} channels (timm\'s '
-                             f'RotaryEmbeddingMixed); got {type(shared).__name__} with '
-                             f'{tuple(freqs.shape) if isinstance(freqs, torch.Tensor) else "no freqs tensor"}')
-        if not _is_integer(layer_index) or not 0 <= layer_index < freqs.shape[1]:
-            raise ValueError(f'rope layer_index {layer_index!r} is outside the {freqs.shape[1]} layers of '
-                             'shared_frequencies')
-
     @property
     def learned_frequencies(self) -> Optional[torch.Tensor]:
-        """This layer's mixed frequencies (f1, f2), (2, heads, d / 2): its own ``freqs`` or its slice of
-        the shared ones (a view: gradients reach the shared Parameter); None for axial."""
-        if self.shared_frequencies is not None:
-            return self.shared_frequencies.freqs[:, self.layer_index]
+        """This layer's mixed frequencies (f1, f2), (2, heads, d / 2), its ``freqs``; None for axial."""
         return self.freqs
-
-    def _frequency_source(self) -> torch.Tensor:
-        """The tensor the mixed rotation is computed from, as this call reads it (the cache's input)."""
-        return self.shared_frequencies.freqs if self.shared_frequencies is not None else self.freqs
 
     def queries_keys(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> Tuple[torch.Tensor, torch.Tensor]:
         """q, k (B, heads, N, d) with their grid tokens rotated; prefix tokens as they were."""
@@ -282,12 +244,9 @@ class RotaryPositionEmbedding(PositionalModule):
             return axial_rotation(grid.height, grid.width, self.head_dim, self.temperature, self.position_offset,
                                   self.reference_grid, self.axis_order, precision,
                                   device or torch.device('cpu'))
-        source = self._frequency_source()
-        device = device or source.device
-        if self.position_cache is not None:  # the rotation depends on the learned frequencies alone
-            return self.position_cache.get(self, (grid, precision, device), (source,),
-                                           lambda: self._mixed_rotation(grid, precision, device))
-        return self._mixed_rotation(grid, precision, device)
+        device = device or self.learned_frequencies.device
+        return self.cached(('rotation', grid, precision, device),
+                           lambda: self._mixed_rotation(grid, precision, device))
 
     def _mixed_rotation(self, grid: TokenGrid, precision: torch.dtype, device: torch.device) -> torch.Tensor:
         coordinates = grid_coordinates(grid.height, grid.width, self.position_offset, self.reference_grid,
@@ -304,6 +263,4 @@ class RotaryPositionEmbedding(PositionalModule):
         if self.reference_grid is not None:
             options.append(f'reference_grid={self.reference_grid}')
         options += [f'axis_order={self.axis_order!r}', f'pairing={self.pairing!r}']
-        if self.shared_frequencies is not None:
-            options.append(f'shared_frequencies: layer {self.layer_index}')
         return ', '.join(options)

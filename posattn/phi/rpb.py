@@ -19,8 +19,7 @@ gradient of every grid; the extra entries are not resampled. The formulas, pair 
 :func:`posattn.reference.relative_position_bias` and :func:`posattn.reference.bicubic_resize`.
 
 A model's own table becomes the Φp's as it is (:meth:`RelativePositionBias.of_table`, the same
-Parameter), or is read where its owner keeps it (:meth:`RelativePositionBias.share_table`, BEiT's
-table shared by all blocks): ``swap_attention(model, phi='own')`` converts timm's Swin and BEiT so.
+Parameter): ``swap_attention(model, phi='own')`` converts timm's Swin and BEiT tables so.
 """
 from __future__ import annotations
 
@@ -32,12 +31,12 @@ from einops import rearrange
 from torch import nn
 
 from .._cache import grid_constant
-from ..grid import TokenGrid, _is_integer
+from ..grid import TokenGrid
 from .base import PositionalModule
+from .options import checked_count, checked_grid_prefix, checked_pair, checked_prefix_tokens
 from .registry import register_phi
 
-__all__ = ['RelativePositionBias', 'relative_position_index', 'num_offsets', 'checked_table_size',
-           'checked_prefix_count']
+__all__ = ['RelativePositionBias', 'relative_position_index', 'num_offsets', 'checked_table_size']
 
 NUM_PREFIX_ENTRIES = 3  # BEiT's prefix query -> grid key, grid query -> prefix key, prefix -> prefix
 
@@ -74,23 +73,7 @@ def relative_position_index(height: int, width: int, num_prefix_tokens: int,
 
 def checked_table_size(table_size: Sequence[int], phi: str = 'rpb') -> Tuple[int, int]:
     """``table_size`` as an (H, W) pair of ints >= 1, or a ValueError saying what the Φp ``phi`` takes."""
-    try:
-        height, width = table_size
-    except (TypeError, ValueError):
-        height = width = None
-    if not (_is_integer(height) and _is_integer(width) and height >= 1 and width >= 1):
-        raise ValueError(f'{phi} table_size must be a (height, width) pair of ints >= 1, the grid it is learned '
-                         f'for, e.g. (14, 14); got {table_size!r}')
-    return int(height), int(width)
-
-
-def checked_prefix_count(grid: TokenGrid, num_prefix_tokens: int, phi: str = 'rpb') -> TokenGrid:
-    """``grid``, or a ValueError naming the fix where it has another number of prefix tokens than the
-    ``num_prefix_tokens`` the Φp ``phi`` was built with."""
-    if grid.num_prefix_tokens != num_prefix_tokens:
-        raise ValueError(f'{phi} built with num_prefix_tokens={num_prefix_tokens} got a {grid}: build it '
-                         f'with num_prefix_tokens={grid.num_prefix_tokens}, the number of extra tokens')
-    return grid
+    return checked_pair(table_size, phi, 'table_size', 'the grid it is learned for, e.g. (14, 14)')
 
 
 @register_phi('rpb')
@@ -111,21 +94,13 @@ class RelativePositionBias(PositionalModule):
             (0). Without prefix tokens there is nothing to learn for them, and the table has no
             extra rows (Swin's layout).
         num_prefix_tokens: extra tokens before the grid; the attention layer's own count.
-
-    Attributes:
-        table_owner: None, or the module whose table this one reads (:meth:`share_table`); then
-            this module's own ``relative_position_bias_table`` is None and ``table_size`` unused.
     """
-    table_owner: Optional[nn.Module] = None
 
     def __init__(self, num_heads: int, table_size: Sequence[int] = (14, 14), prefix_entries: bool = True,
                  num_prefix_tokens: int = 0):
-        super().__init__()
-        if not _is_integer(num_heads) or num_heads < 1:
-            raise ValueError(f'rpb num_heads must be an int >= 1, got {num_heads!r}')
-        if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
-            raise ValueError(f'rpb num_prefix_tokens (extra tokens before the grid) must be an int >= 0, '
-                             f'got {num_prefix_tokens!r}')
+        super().__init__(hooks=('logits_bias',))
+        num_heads = checked_count(num_heads, 'rpb', 'num_heads')
+        num_prefix_tokens = checked_prefix_tokens(num_prefix_tokens, 'rpb')
         if not isinstance(prefix_entries, bool):
             raise ValueError(f'rpb prefix_entries must be True or False, got {prefix_entries!r}')
         self.num_heads = int(num_heads)
@@ -156,31 +131,12 @@ class RelativePositionBias(PositionalModule):
             raise ValueError(f'rpb with {self.num_heads} heads and {self.num_extra_entries} extra entries takes a '
                              f'table Parameter of shape ({rows}, {self.num_heads}) for a {height}x{width} grid, got '
                              f'{type(table).__name__} of shape {tuple(getattr(table, "shape", ()))}')
-        object.__setattr__(self, 'table_owner', None)
         self.table_size = (height, width)
         self.relative_position_bias_table = table
 
-    def share_table(self, owner: nn.Module) -> None:
-        """Read the table of ``owner``, its ``relative_position_bias_table`` learned for its
-        ``window_size`` (timm's names: BEiT's shared ``RelativePositionBias``), registered by ``owner``,
-        not by this module, so that a model's state_dict and optimiser see it once. What replaces the
-        owner's table (its ``set_window_size``) is what this module reads next."""
-        height, width = checked_table_size(owner.window_size)
-        rows = num_offsets(height, width) + self.num_extra_entries
-        if tuple(owner.relative_position_bias_table.shape) != (rows, self.num_heads):
-            raise ValueError(f'rpb with {self.num_heads} heads and {self.num_extra_entries} extra entries reads a '
-                             f'table of shape ({rows}, {self.num_heads}) for a {height}x{width} grid; '
-                             f'{type(owner).__name__} holds one of shape '
-                             f'{tuple(owner.relative_position_bias_table.shape)}')
-        self.register_parameter('relative_position_bias_table', None)
-        object.__setattr__(self, 'table_owner', owner)
-
     def learned_table(self) -> Tuple[torch.Tensor, Tuple[int, int]]:
-        """The table this module reads, ((2H - 1)(2W - 1) [+ 3], heads), and the (H, W) it is learned
-        for: its own parameter, or its owner's (:meth:`share_table`) as the owner holds it now."""
-        if self.table_owner is None:
-            return self.relative_position_bias_table, self.table_size
-        return self.table_owner.relative_position_bias_table, tuple(self.table_owner.window_size)
+        """The table, ((2H - 1)(2W - 1) [+ 3], heads), and the (H, W) it is learned for."""
+        return self.relative_position_bias_table, self.table_size
 
     def offset_table(self, height: int, width: int) -> torch.Tensor:
         """The bias of every offset of an H x W grid, (heads, 2H - 1, 2W - 1), [h, dy + H - 1, dx + W - 1]:
@@ -196,19 +152,12 @@ class RelativePositionBias(PositionalModule):
                              align_corners=False)[0]
 
     def _grid(self, grid: TokenGrid) -> TokenGrid:
-        return checked_prefix_count(grid, self.num_prefix_tokens)
-
-    def logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
-        """b[h, i, j] of the module docstring: (1, heads, N, N) in q's dtype, on q's device."""
-        grid = self._grid(grid)
-        if self.position_cache is not None:  # the bias depends on the table alone
-            return self.position_cache.get(self, (grid, q.dtype, q.device), (self.learned_table()[0],),
-                                           lambda: self.position_bias(grid, q.dtype, q.device))
-        return self.position_bias(grid, q.dtype, q.device)
+        return checked_grid_prefix(grid, self.num_prefix_tokens, 'rpb')
 
     def position_bias(self, grid: TokenGrid, dtype: Optional[torch.dtype] = None,
                       device: Optional[torch.device] = None) -> torch.Tensor:
-        """The bias on ``grid`` (1, heads, N, N), in ``dtype`` (the table's by default)."""
+        """b[h, i, j] of the module docstring on ``grid``: (1, heads, N, N), in ``dtype`` (the table's by
+        default); the logits bias (:meth:`logits_bias`, served by :func:`posattn.cache_positions`)."""
         grid = self._grid(grid)
         table = self.learned_table()[0]
         device = device or table.device
@@ -222,6 +171,5 @@ class RelativePositionBias(PositionalModule):
         return bias.unsqueeze(0).to(dtype or bias.dtype)
 
     def extra_repr(self) -> str:
-        shared = '' if self.table_owner is None else f', shared from {type(self.table_owner).__name__}'
-        return (f'num_heads={self.num_heads}, table_size={self.learned_table()[1]}, '
-                f'prefix_entries={self.prefix_entries}, num_prefix_tokens={self.num_prefix_tokens}{shared}')
+        return (f'num_heads={self.num_heads}, table_size={self.table_size}, '
+                f'prefix_entries={self.prefix_entries}, num_prefix_tokens={self.num_prefix_tokens}')

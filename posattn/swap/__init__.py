@@ -13,12 +13,12 @@ what its model does around posattn's attention), and a function registered with
 import importlib
 import pkgutil
 
-from .core import (AddedParametersWarning, AttentionSite, SwapPlan, SwappedAttention, parameters_added_by_swap,
-                   register_family, swap_attention)
+from .core import (AddedParametersWarning, AttentionSite, SwapPlan, SwappedAttention, load_original_weights,
+                   parameters_added_by_swap, register_family, swap_attention)
 
 for _module in pkgutil.iter_modules(__path__):
     if _module.name != 'core':
         importlib.import_module(f'{__name__}.{_module.name}')
 
-__all__ = ['swap_attention', 'parameters_added_by_swap', 'AddedParametersWarning', 'register_family', 'SwapPlan',
-           'AttentionSite', 'SwappedAttention']
+__all__ = ['swap_attention', 'parameters_added_by_swap', 'load_original_weights', 'AddedParametersWarning',
+           'register_family', 'SwapPlan', 'AttentionSite', 'SwappedAttention']

@@ -20,11 +20,13 @@ from torch import nn
 
 from ..attention import Attention, ProbabilityMixture
 from ..grid import TokenGrid
-from ..phi import PositionalModule, build_layer_phi
+from ..phi import PhiStack, PositionalModule, build_layer_phi
+from ..phi.registry import PhiSpec, checked_phi_list
 from .token_grids import GridTracker
 
 __all__ = ['AttentionSite', 'SwapPlan', 'SwappedAttention', 'GridTracker', 'register_family', 'swap_attention',
-           'parameters_added_by_swap', 'AddedParametersWarning', 'described', 'imported', 'packs_self_attention']
+           'parameters_added_by_swap', 'load_original_weights', 'AddedParametersWarning', 'described', 'imported',
+           'packs_self_attention']
 
 
 def described(obj: Any) -> str:
@@ -87,7 +89,7 @@ def packs_self_attention(mha: nn.MultiheadAttention) -> bool:
     """Whether ``mha`` holds what :meth:`SwappedAttention.take_multihead` moves into a posattn attention:
     one packed [q; k; v] projection of the embedding width, and no added key/value biases or zero
     attention, which posattn's attention does not have."""
-    return mha._qkv_same_embed_dim and mha.bias_k is None and not mha.add_zero_attn
+    return mha.in_proj_weight is not None and mha.bias_k is None and not mha.add_zero_attn
 
 
 class SwappedAttention(Attention):
@@ -144,7 +146,7 @@ class SwappedAttention(Attention):
     def attention_output(self, x: torch.Tensor, *tensors: Optional[torch.Tensor],
                          own_bias: Optional[torch.Tensor] = None,
                          rotation: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                         own_mixture: Optional[ProbabilityMixture] = None) -> torch.Tensor:
+                         own_mixture: Optional[ProbabilityMixture] = None, **offered: Any) -> torch.Tensor:
         """x (B, N, C) -> the layer's output (B, N, C), after the output projection and its dropout.
 
         Args:
@@ -156,12 +158,16 @@ class SwappedAttention(Attention):
                 Φp (EVA's RoPE); the results take the values' dtype, as in timm's EVA.
             own_mixture: the model's own mixture of the attention probabilities (ConViT's gated
                 positional attention), applied after the Φp's, or None.
+            **offered: what the model hands this call (EVA's ``rope``, BEiT's ``shared_rel_pos_bias``):
+                the Φp receives those it declares as its ``call_inputs``.
         """
         grid = self.grid_of(x, self.current_grid(*tensors))
-        q, k, v = self.split_heads(self.project_qkv(self.phi.tokens(x, grid)))
+        given = self.phi.given(self.taking(offered))
+        tokens = self.phi.tokens(x, grid, **given) if self.phi.contributes('tokens') else x
+        q, k, v = self.split_heads(self.project_qkv(tokens))
         if rotation is not None:
             q, k = rotation(q).type_as(v), rotation(k).type_as(v)
-        out = self.attend(q, k, v, grid, own_bias=own_bias, own_mixture=own_mixture)
+        out = self.attend(q, k, v, grid, own_bias=own_bias, own_mixture=own_mixture, given=given)
         return self.proj_drop(self.proj(self.before_projection(out, x)))
 
     def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
@@ -229,7 +235,7 @@ def _refusal(model: nn.Module) -> str:
             'VisionTransformer and SwinTransformer, and (with posattn_openmmlab imported) the OpenMMLab ViTs and Swin')
 
 
-def swap_attention(model: nn.Module, phi: str = 'peripheral', *, own_positions: bool = True,
+def swap_attention(model: nn.Module, phi: PhiSpec = 'peripheral', *, own_positions: bool = True,
                    **phi_cfg: Any) -> nn.Module:
     """Replace every attention module of ``model`` by :class:`posattn.Attention` with Φp ``phi``.
 
@@ -257,8 +263,12 @@ def swap_attention(model: nn.Module, phi: str = 'peripheral', *, own_positions: 
             takes it (:func:`posattn.phi.build_layer_phi`).
 
     Returns:
-        ``model``. Weights of ``model`` as it was before the swap still load into it, strictly:
-        every Φp then keeps its initialisation, and one warning says so.
+        ``model``. Its state dict is that of ``model`` before the swap plus each Φp's keys
+        (``...attn.phi.``), and ``load_state_dict`` is torch's: weights saved after the swap load
+        strictly, and weights of the model before the swap fail a strict load for want of the Φp
+        keys. :func:`load_original_weights` loads those, every Φp keeping its initialisation.
+        (With ``phi='own'`` the Φp holds the model's own tables under new names, and weights of
+        the model before the swap load strictly: their keys are renamed on load.)
 
     Fine-tuning: the carried-over weights are the same ``Parameter`` objects as before, so an
     optimiser built before the swap still updates them, but the Φp's parameters are new, and
@@ -273,9 +283,10 @@ def swap_attention(model: nn.Module, phi: str = 'peripheral', *, own_positions: 
     plans = _plans(model)
     if not plans:
         raise TypeError(_refusal(model))
-    converting = phi == OWN
+    names, configs = _phi_names(phi, phi_cfg)
+    converting = OWN in names
     if converting:
-        _check_own(plans, phi_cfg)
+        _check_own(plans, [config for name, config in zip(names, configs) if name == OWN])
     held_before = {id(param) for param in model.parameters()}
     replacements = []  # all built before the model changes, so a bad option leaves it as it was
     for plan in plans:
@@ -283,12 +294,12 @@ def swap_attention(model: nn.Module, phi: str = 'peripheral', *, own_positions: 
         for index, site in enumerate(plan.sites):
             old = site.module
             reference = next(old.parameters())
-            if converting:
-                built = plan.own_phi(site, index)
-            else:
-                built = build_layer_phi(phi, phi_cfg, dim=site.dim, num_heads=site.num_heads,
-                                        num_prefix_tokens=site.num_prefix_tokens, layer_index=index,
-                                        num_layers=len(plan.sites)).to(reference.device, reference.dtype)
+            members = [plan.own_phi(site, index) if name == OWN else
+                       build_layer_phi(name, config, dim=site.dim, num_heads=site.num_heads,
+                                       num_prefix_tokens=site.num_prefix_tokens, layer_index=index,
+                                       num_layers=len(plan.sites)).to(reference.device, reference.dtype)
+                       for name, config in zip(names, configs)]
+            built = members[0] if len(members) == 1 else PhiStack(members)
             layer = plan.adapter.replacing(old, built, site)
             # the model's own relative scheme is the converted Φp, applied once
             layer.grid_tracker, layer.own_positions = tracker, own_positions and not converting
@@ -306,7 +317,6 @@ def swap_attention(model: nn.Module, phi: str = 'peripheral', *, own_positions: 
             replacement.attach(target.patch_projection, [site.parent for site in target.sites])
     if not own_positions:
         _drop_own_positions(plans, relative=not converting)
-    model.register_load_state_dict_post_hook(_fresh_phis_from_weights_without_them)
     layers = [layer for _, layer in replacements if isinstance(layer, SwappedAttention)]
     added = [param for param in _added_parameters(layers) if param.requires_grad]
     if added:
@@ -361,13 +371,28 @@ def _added_parameters_message(model: nn.Module, phi: str, added: Sequence[nn.Par
 OWN = 'own'  # swap_attention's Φp name for the model's own positional scheme, converted
 
 
-def _check_own(plans: Sequence[SwapPlan], phi_cfg: Mapping[str, Any]) -> None:
+def _phi_names(phi: PhiSpec, phi_cfg: Dict[str, Any]) -> Tuple[List[str], List[Optional[Mapping[str, Any]]]]:
+    """The Φp names of every layer and their options: ``phi`` and ``**phi_cfg``, or a list of names and
+    ``phi_cfg=[...]``, one option dict (or None) per name."""
+    if isinstance(phi, str):
+        return [phi], [phi_cfg]
+    options = dict(phi_cfg)
+    listed = options.pop('phi_cfg', None)
+    if options:
+        raise TypeError(f'options of a list of Φp go in phi_cfg=[...], one dict (or None) per Φp in order; got '
+                        f'{sorted(options)} as keywords for phi={phi!r}')
+    return checked_phi_list(phi, listed)
+
+
+def _check_own(plans: Sequence[SwapPlan], own_configs: Sequence[Optional[Mapping[str, Any]]]) -> None:
     for plan in plans:
         if plan.own_phi is None:
             raise TypeError(f"phi='own' converts a model's own relative positional scheme into a Φp; {plan.family} "
                             'has none that posattn converts: pick a Φp by name (posattn.list_phis())')
-    if phi_cfg:
-        raise TypeError(f"phi='own' takes no Φp options (got {sorted(phi_cfg)}): the Φp takes the model's own "
+    if len(own_configs) > 1:
+        raise ValueError("phi lists 'own' more than once: the model's own scheme is converted once")
+    if own_configs[0]:
+        raise TypeError(f"phi='own' takes no Φp options (got {sorted(own_configs[0])}): the Φp takes the model's own "
                         'settings and weights')
 
 
@@ -408,40 +433,60 @@ def _drop_own_positions(plans: Sequence[SwapPlan], relative: bool = True) -> Non
             param.requires_grad_(False)
 
 
-def _phi_keys(model: nn.Module) -> Dict[str, List[str]]:
-    """Each swapped attention's Φp in ``model`` that has state, by its key prefix
-    ('blocks.0.attn.phi.'): its state-dict keys, relative to ``model``."""
-    return {f'{name}.phi.': [f'{name}.phi.{key}' for key in module.phi.state_dict()]
-            for name, module in model.named_modules()
-            if isinstance(module, SwappedAttention) and module.phi.state_dict()}
+_LISTED = 5  # keys named in an error, of each kind
 
 
-def _fresh_phis_from_weights_without_them(model: nn.Module, incompatible_keys: Any) -> None:
-    """``load_state_dict`` post hook of a swapped model: weights of the model as it was before the
-    swap leave every Φp at its initialisation, as posattn's ``vit_*`` treat plain-ViT weights.
+def load_original_weights(model: nn.Module, state_dict: Mapping[str, Any]) -> List[str]:
+    """Load weights of ``model`` as it was before :func:`swap_attention` into the swapped ``model``,
+    every Φp keeping its initialisation; returns the Φp keys so left, and one warning names them.
 
-    Such weights hold every key of the model but the Φp's, and no other key. Then the Φp keys are
-    taken off the missing keys (strict loading passes) and one warning names them. Any other
-    weights keep every missing key, so that strict loading fails as it would without the hook:
-    some Φp keys but not all (some layers', another Φp's), keys missing outside the Φp, unexpected
-    keys. Wrong shapes fail in any case.
-
-    ``model`` may be loaded inside a larger module: its keys are found under the prefix that its
-    first Φp key has among the missing keys.
+    ``model.load_state_dict(weights)`` is torch's, strict: such weights fail it for want of the Φp
+    keys. This is ``model.load_state_dict(weights, strict=False)`` with one difference allowed:
+    the weights hold no key of the Φp state that the swap created (``...attn.phi.``, in every
+    swapped layer of ``model``, which may hold swapped models anywhere inside it) and every other
+    key of ``model``, and no key besides (keys of the model before the swap for what a converted
+    Φp holds are renamed on load, as ``load_state_dict`` renames them). Anything else, weights
+    with some Φp keys (another Φp's, some layers', a checkpoint saved after the swap), a missing
+    key outside the Φp or an unexpected key, raises a ValueError that lists them; as with torch's
+    strict load the weights that fit are copied before it, and a wrong shape raises torch's
+    RuntimeError.
     """
-    phis = _phi_keys(model)
-    if not phis:
-        return
-    keys = [key for layer_keys in phis.values() for key in layer_keys]
-    missing, unexpected = incompatible_keys.missing_keys, incompatible_keys.unexpected_keys
-    prefixes = {name[:len(name) - len(keys[0])] for name in missing if name.endswith(keys[0])}
-    for prefix in sorted(p for p in prefixes if p == '' or p.endswith('.')):
-        fresh = {prefix + key for key in keys}
-        if {name for name in missing if name.startswith(prefix)} != fresh or any(
-                name.startswith(prefix) for name in unexpected):
-            continue
-        missing[:] = [name for name in missing if name not in fresh]
-        warnings.warn(_fresh_phis_message(model, [prefix + phi for phi in phis], len(keys)))
+    fresh_by_layer = _phi_keys_added_by_swap(model)
+    fresh = [key for keys in fresh_by_layer.values() for key in keys]
+    result = model.load_state_dict(state_dict, strict=False)
+    missing = set(result.missing_keys)
+    given = [key for key in fresh if key not in missing]
+    others = [key for key in result.missing_keys if key not in set(fresh)]
+    if given or others or result.unexpected_keys:
+        lines = [f'{described(model)}: these are not the weights of the model before its attention was swapped, '
+                 'which hold every key but the Φp\'s:']
+        for label, keys, count in (('Φp keys given', given, f'{len(given)} of {len(fresh)}'),
+                                   ('missing keys outside the Φp', others, len(others)),
+                                   ('unexpected keys', result.unexpected_keys, len(result.unexpected_keys))):
+            if keys:
+                lines.append(f'  {label} ({count}): {", ".join(keys[:_LISTED])}'
+                             + (f', ... ({len(keys) - _LISTED} more)' if len(keys) > _LISTED else ''))
+        if given == fresh and not others and not result.unexpected_keys:  # every Φp key: saved after the swap
+            lines.append('  weights saved after the swap load with model.load_state_dict(weights)')
+        raise ValueError('\n'.join(lines))
+    if fresh:
+        warnings.warn(_fresh_phis_message(model, [prefix for prefix, keys in fresh_by_layer.items() if keys],
+                                          len(fresh)), stacklevel=2)
+    return fresh
+
+
+def _phi_keys_added_by_swap(model: nn.Module) -> Dict[str, List[str]]:
+    """Each swapped attention layer's Φp in ``model`` by its key prefix ('blocks.0.attn.phi.'):
+    the keys of its state that the model before the swap did not hold, relative to ``model``
+    (all its parameters and buffers, but those a converted Φp took over from the model)."""
+    found = {}
+    for name, layer in model.named_modules():
+        if isinstance(layer, SwappedAttention):
+            added = {id(layer.get_parameter(added_name)) for added_name in layer.added_parameter_names}
+            prefix = f'{name}.phi.' if name else 'phi.'
+            found[prefix] = [prefix + key for key, tensor in layer.phi.state_dict(keep_vars=True).items()
+                             if not isinstance(tensor, nn.Parameter) or id(tensor) in added]
+    return found
 
 
 def _fresh_phis_message(model: nn.Module, phi_prefixes: Sequence[str], num_keys: int) -> str:

@@ -4,16 +4,20 @@ three entries for the class token (Bao et al. 2022), per block or shared by all 
 (``use_shared_rel_pos_bias``). Both are kept under timm's names unless the model's own positions
 are dropped; BEiT's grid is fixed at construction, and ``set_input_size`` still resizes the tables
 after the swap. With ``phi='own'`` each block's table becomes an ``rpb`` Φp's (the same Parameter,
-saved under the Φp's name, loaded from timm's), or every block's Φp reads the shared one where the
-model keeps it (saved once, under timm's name); ``set_input_size`` resizes them as timm does."""
+saved under the Φp's name, loaded from timm's), or, where the model keeps one shared table (saved
+once, under timm's name), every block's Φp is a :class:`GivenBias` that adds the bias the model
+computes from it and gives each block; ``set_input_size`` resizes them as timm does."""
 from __future__ import annotations
 
 from typing import Callable, Optional, Tuple
 
 import torch
+from einops import rearrange
 from torch import nn
 
-from ..phi.rpb import RelativePositionBias
+from ..grid import TokenGrid
+from ..phi import PositionalModule
+from ..phi.rpb import NUM_PREFIX_ENTRIES, num_offsets, relative_position_index
 from .core import AttentionSite, SwapPlan, described, imported, register_family
 from .qkv_biases import SeparateBiasQkv
 from .window_tables import resize_table, table_phi
@@ -28,10 +32,10 @@ class BeitAttention(SeparateBiasQkv):
         super().take_over(old)
         self.take(old, 'relative_position_bias_table', 'window_size')
         self.num_relative_distance = getattr(old, 'num_relative_distance', None)
-        self.register_buffer('relative_position_index', old.relative_position_index, persistent=False)
 
     def forward(self, x: torch.Tensor, shared_rel_pos_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self.attention_output(x, own_bias=self.own_bias(shared_rel_pos_bias))
+        return self.attention_output(x, own_bias=self.own_bias(shared_rel_pos_bias),
+                                     shared_rel_pos_bias=shared_rel_pos_bias)
 
     def own_bias(self, shared: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The block's table bias (1, heads, N, N) plus the shared one, when the model's positions are kept."""
@@ -39,17 +43,46 @@ class BeitAttention(SeparateBiasQkv):
             return None
         if self.relative_position_bias_table is None:
             return shared
-        bias = imported(_BEIT, 'Attention')._get_rel_pos_bias(self)
+        bias = beit_relative_position_bias(self.relative_position_bias_table, self.window_size)
         return bias if shared is None else bias + shared
 
     def set_window_size(self, window_size: Tuple[int, int]) -> None:
-        """timm's own resize (``Beit.set_input_size`` calls it): the table is interpolated to the new grid,
-        the Φp's table too after ``phi='own'`` (:func:`~posattn.swap.window_tables.resize_table`)."""
-        Attention = imported(_BEIT, 'Attention')
-        resize_table(self, lambda layer: Attention.set_window_size(layer, window_size))
+        """What timm's ``Attention.set_window_size`` does (``Beit.set_input_size`` calls it): the table is
+        interpolated to the new grid by timm's ``resize_rel_pos_bias_table`` (a new Parameter, the three
+        class-token rows kept), the Φp's table too after ``phi='own'``
+        (:func:`~posattn.swap.window_tables.resize_table`). The index follows ``window_size``."""
+        window_size = (window_size, window_size) if isinstance(window_size, int) else tuple(window_size)
+        if self.window_size is None or window_size == tuple(self.window_size):
+            return
+        resize_table(self, lambda layer: _resize_beit_table(layer, window_size))
 
-    def _init_buffers(self) -> None:  # what timm's resize calls to rebuild the index
-        imported(_BEIT, 'Attention')._init_buffers(self)
+
+def beit_relative_position_bias(table: torch.Tensor, window_size: Tuple[int, int]) -> torch.Tensor:
+    """BEiT's relative position bias of one (class token + wh x ww grid) sequence: (1, heads, N, N),
+    N = 1 + wh * ww, ``bias[0, h, i, j] = table[index[i, j], h]``.
+
+    ``table`` is timm's ``relative_position_bias_table``, ((2 wh - 1)(2 ww - 1) + 3, heads), and
+    ``index`` posattn's :func:`~posattn.phi.rpb.relative_position_index` with one prefix token,
+    which is BEiT's (a grid pair reads its offset's row; then the rows for class query -> grid key,
+    grid query -> class key, class -> class).
+    """
+    index = relative_position_index(*window_size, 1, table.device)  # (N, N)
+    return rearrange(table[index.reshape(-1)], '(n m) h -> 1 h n m', n=index.shape[0])
+
+
+def _resize_beit_table(layer: BeitAttention, window_size: Tuple[int, int]) -> None:
+    """The layer's table, learned for ``layer.window_size``, resampled as timm resamples BEiT's for a
+    ``window_size`` grid (bicubic over the offsets, the three class-token rows kept)."""
+    from timm.layers import resize_rel_pos_bias_table  # a timm model is being resized: timm is there
+
+    table = layer.relative_position_bias_table
+    rows = num_offsets(*window_size) + NUM_PREFIX_ENTRIES
+    with torch.no_grad():
+        resized = resize_rel_pos_bias_table(table, new_window_size=window_size, new_bias_shape=(rows, table.shape[-1]),
+                                            old_window_size=tuple(layer.window_size))
+    layer.relative_position_bias_table = nn.Parameter(resized, requires_grad=table.requires_grad)
+    layer.window_size = window_size
+    layer.num_relative_distance = rows
 
 
 @register_family
@@ -75,10 +108,26 @@ def timm_beit(model: nn.Module) -> Optional[SwapPlan]:
                     own_phi)
 
 
-def _own_phi(shared: Optional[nn.Module]) -> Callable[[AttentionSite, int], RelativePositionBias]:
-    """``phi='own'`` for a BEiT: each block's table as an ``rpb``, or the model's shared one (``shared``,
-    timm's ``RelativePositionBias``) read by every block's ``rpb``."""
-    def own_phi(site: AttentionSite, index: int) -> RelativePositionBias:
+class GivenBias(PositionalModule):
+    """A BEiT's shared relative position bias as a Φp: the bias its model computes once per call from
+    its one table (timm's ``RelativePositionBias``, which owns and trains it) and gives every block
+    (``shared_rel_pos_bias=``), added to the logits as given. It owns nothing."""
+
+    def __init__(self):
+        super().__init__(hooks=('logits_bias',), call_inputs=('shared_rel_pos_bias',))
+
+    def logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid,
+                    shared_rel_pos_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if shared_rel_pos_bias is None:
+            raise ValueError('this layer adds its model\'s shared relative position bias, which the model gives each '
+                             'block (shared_rel_pos_bias=); it was called without one: run the whole model')
+        return shared_rel_pos_bias.to(q.dtype)
+
+
+def _own_phi(shared: Optional[nn.Module]) -> Callable[[AttentionSite, int], PositionalModule]:
+    """``phi='own'`` for a BEiT: each block's table as an ``rpb``, or, with the model's one shared table
+    (``shared``, timm's ``RelativePositionBias``), the bias the model gives each block (:class:`GivenBias`)."""
+    def own_phi(site: AttentionSite, index: int) -> PositionalModule:
         table = site.module.relative_position_bias_table
         if table is not None and shared is not None:
             raise TypeError(f"phi='own' converts BEiT's relative position tables into one rpb per block, but block "
@@ -86,8 +135,5 @@ def _own_phi(shared: Optional[nn.Module]) -> Callable[[AttentionSite, int], Rela
                             'use_shared_rel_pos_bias): pick a Φp by name (\'none\' keeps both tables)')
         if table is not None:
             return table_phi(site, index)
-        phi = RelativePositionBias(shared.relative_position_bias_table.shape[-1], shared.window_size,
-                                   num_prefix_tokens=site.num_prefix_tokens)
-        phi.share_table(shared)
-        return phi
+        return GivenBias()
     return own_phi

@@ -57,10 +57,12 @@ class ConvitAttention(SwappedAttention):
             return
         self.qkv = None
         self.take(old, 'qk', 'v')
-        converted = getattr(self.phi, 'pos_proj', None) is old.pos_proj  # phi='own': the Φp holds them
-        if not converted:
+        # phi='own' (alone or in a list): a Φp holds the GPSA's own parameters
+        holder = next((f'phi.{name}'.rstrip('.') for name, module in self.phi.named_modules()
+                       if getattr(module, 'pos_proj', None) is old.pos_proj), None)
+        if holder is None:
             self.own_gpsa = gpsa_of(old)
-        holder = 'phi' if converted else 'own_gpsa'  # weights saved before the swap name them as timm does
+            holder = 'own_gpsa'  # weights saved before the swap name them as timm does
         self.register_load_state_dict_pre_hook(functools.partial(
             _rename_keys, renames={name: f'{holder}.{name}' for name in _GPSA_KEYS}))
 

@@ -8,19 +8,23 @@ applies it as EVA does (after the q/k norms, prefix tokens untouched) when the m
 are kept, and the Φp then sees the rotated queries and keys that the softmax uses; without them the
 rotation is skipped and the absolute embedding zeroed.
 
-``swap_attention(model, phi='own')`` converts the model's RoPE into the ``rope`` Φp of every layer,
-which then computes it (:func:`own_rope`): timm's ``RotaryEmbeddingCat`` (EVA-02, the axial
-``vit_*_rope_*`` and Perception Encoder models) into axial frequencies with the model's settings,
-``RotaryEmbeddingMixed`` (RoPE-Mixed) into mixed ones that read the model's own ``rope.freqs``.
+``swap_attention(model, phi='own')`` converts the model's RoPE into a Φp of every layer
+(:func:`own_rope`): timm's ``RotaryEmbeddingCat`` (EVA-02, the axial ``vit_*_rope_*`` and
+Perception Encoder models) into the ``rope`` Φp with the model's settings, which computes it;
+``RotaryEmbeddingMixed`` (RoPE-Mixed), whose learned frequencies the model owns (``rope.freqs``,
+one slice a layer) and turns into each layer's rotation at every call, into
+:class:`GivenRotation`, which applies the rotation the model gives the layer (``rope=``).
 """
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
 
+from ..grid import TokenGrid
+from ..phi import PositionalModule
 from ..phi.rope import RotaryPositionEmbedding
 from .core import AttentionSite, SwapPlan, described, imported, register_family
 from .qkv_biases import SeparateBiasQkv
@@ -41,13 +45,43 @@ class EvaAttention(NormGateOutput, SeparateBiasQkv):
                 attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False) -> torch.Tensor:
         refuse_attention_mask(attn_mask, is_causal)
         kept = rope is not None and self.own_positions
-        return self.attention_output(x, rotation=functools.partial(self.rotate, rope=rope) if kept else None)
+        rotation = functools.partial(rotate_grid_tokens, rope=rope, num_prefix_tokens=self.num_prefix_tokens,
+                                     half=self.rotate_half) if kept else None
+        return self.attention_output(x, rotation=rotation, rope=rope)
 
-    def rotate(self, t: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        """RoPE on the grid tokens of t (B, heads, N, d); the prefix tokens stay as they are."""
-        apply_rot_embed_cat = imported('timm.layers', 'apply_rot_embed_cat')
-        prefix, tokens = t.split([self.num_prefix_tokens, t.shape[2] - self.num_prefix_tokens], dim=2)
-        return torch.cat([prefix, apply_rot_embed_cat(tokens, rope, half=self.rotate_half)], dim=2)
+
+def rotate_grid_tokens(t: torch.Tensor, rope: torch.Tensor, num_prefix_tokens: int, half: bool) -> torch.Tensor:
+    """EVA's RoPE ``rope`` (the model's sin and cos of the grid, timm's layout) on the grid tokens of
+    t (B, heads, N, d), by timm's ``apply_rot_embed_cat``; the prefix tokens stay as they are."""
+    apply_rot_embed_cat = imported('timm.layers', 'apply_rot_embed_cat')
+    prefix, tokens = t.split([num_prefix_tokens, t.shape[2] - num_prefix_tokens], dim=2)
+    return torch.cat([prefix, apply_rot_embed_cat(tokens, rope, half=half)], dim=2)
+
+
+class GivenRotation(PositionalModule):
+    """An EVA's own RoPE as a Φp: the queries and keys of the grid tokens rotated by the RoPE its model
+    computes for each call and gives every block (``rope=``, timm's sin and cos), as EVA rotates them;
+    the rotated queries and keys keep their dtype. It owns nothing: the model's ``rope`` module holds
+    (and trains) the frequencies.
+
+    Args:
+        num_prefix_tokens: tokens before the grid, which are not rotated.
+        rotate_half: timm's pairing of the channels (``rope_rotate_half``).
+    """
+
+    def __init__(self, num_prefix_tokens: int, rotate_half: bool):
+        super().__init__(hooks=('queries_keys',), call_inputs=('rope',))
+        self.num_prefix_tokens, self.rotate_half = num_prefix_tokens, rotate_half
+
+    def queries_keys(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid,
+                     rope: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        if rope is None:
+            raise ValueError('this layer converts its model\'s RoPE, which the model gives each block (rope=); '
+                             'it was called without one: run the whole model')
+        return tuple(rotate_grid_tokens(t, rope, self.num_prefix_tokens, self.rotate_half).to(t.dtype) for t in (q, k))
+
+    def extra_repr(self) -> str:
+        return f'num_prefix_tokens={self.num_prefix_tokens}, rotate_half={self.rotate_half}'
 
 
 def _check_attention(i: int, attn: nn.Module, width: int, num_prefix_tokens: int) -> None:
@@ -93,10 +127,10 @@ _UNCONVERTED_ROPE = {
 }
 
 
-def own_rope(model: nn.Module, site: AttentionSite, index: int) -> RotaryPositionEmbedding:
-    """The ``rope`` Φp that computes what ``model.rope`` computes for the ``index``-th block: axial
-    frequencies with the settings of a ``RotaryEmbeddingCat``, or the ``index``-th layer of a
-    ``RotaryEmbeddingMixed``'s learned frequencies, read from the model's own parameter."""
+def own_rope(model: nn.Module, site: AttentionSite, index: int) -> PositionalModule:
+    """The Φp that computes what ``model.rope`` computes for the ``index``-th block: the ``rope`` Φp with
+    the axial frequencies and settings of a ``RotaryEmbeddingCat``, or, for a ``RotaryEmbeddingMixed``,
+    whose learned frequencies the model owns, :class:`GivenRotation` of what the model gives the block."""
     rope = model.rope
     kind = type(rope).__name__
     if kind in _UNCONVERTED_ROPE:
@@ -112,8 +146,7 @@ def own_rope(model: nn.Module, site: AttentionSite, index: int) -> RotaryPositio
                         'build the model without them')
     head_dim, axis_order = site.dim // site.num_heads, 'xy' if rope.grid_indexing == 'xy' else 'yx'
     if mixed is not None and isinstance(rope, mixed):
-        return RotaryPositionEmbedding(head_dim, site.num_heads, frequencies='mixed', axis_order=axis_order,
-                                       shared_frequencies=rope, layer_index=index)
+        return GivenRotation(site.num_prefix_tokens, getattr(site.module, 'rotate_half', False))
     grid_type = getattr(rope, 'grid_type', 'index')
     if rope.in_pixels or grid_type != 'index':
         raise TypeError(f"phi='own' converts RoPE on grid indices; this Eva's RotaryEmbeddingCat has "

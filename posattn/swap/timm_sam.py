@@ -13,7 +13,7 @@ resampling at other input sizes included.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
@@ -52,7 +52,8 @@ class SamAttention(SwappedAttention):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: TokenGrid,
                key_mask: Optional[torch.Tensor] = None, own_bias: Optional[torch.Tensor] = None,
-               own_mixture: Optional[ProbabilityMixture] = None) -> torch.Tensor:
+               own_mixture: Optional[ProbabilityMixture] = None, *,
+               given: Optional[Mapping[str, Any]] = None) -> torch.Tensor:
         """:meth:`posattn.Attention.attend`, with SAM's decomposed relative position bias of the queries
         (B, heads, N, N) as the model's own bias where it is kept."""
         if self.rel_pos_h is not None and self.own_positions:
@@ -60,7 +61,7 @@ class SamAttention(SwappedAttention):
             size = (grid.height, grid.width)
             own_bias = get_decomposed_rel_pos_bias(q.flatten(0, 1), self.rel_pos_h, self.rel_pos_w, size, size)
             own_bias = own_bias.unflatten(0, q.shape[:2])
-        return super().attend(q, k, v, grid, key_mask, own_bias, own_mixture)
+        return super().attend(q, k, v, grid, key_mask, own_bias, own_mixture, given=given)
 
 
 def _own_phi(site: AttentionSite, index: int) -> DecomposedRelativePositionBias:

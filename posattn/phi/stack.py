@@ -1,0 +1,105 @@
+"""Several Φp in one attention layer: their hooks combined in a fixed, documented order.
+
+Researchers combine positional schemes: CPVT's PEG with iRPE, RoPE with a bias table, a swapped
+model's own scheme with a new one. :class:`PhiStack` holds the members in order and contributes the
+union of their declared hooks:
+
+    x    <- tokens_m(x)             for m in order      token hooks in sequence
+    q, k <- queries_keys_m(q, k)    for m in order      q/k transforms in sequence
+    b     = sum_m logits_bias_m(q, k)                   biases summed (each sees the final q, k)
+    A    <- mix_probabilities_m(A)  for m in order      mixtures in sequence
+    t     = sum_m value_term_m(A)                       value terms summed (each sees the final A)
+
+A list of names builds one: ``Attention(dim, heads, phi=['rope', 'rpb'])``; its state-dict keys
+are the members' under their index (``phi.0.*``, ``phi.1.*``). Each member keeps its own caching.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, Optional, Tuple
+
+import torch
+from ..grid import TokenGrid
+from .base import PositionalModule
+
+__all__ = ['PhiStack']
+
+
+class PhiStack(PositionalModule):
+    """The Φp ``members`` applied together (module docstring).
+
+    Args:
+        members: two or more built Φp, each declaring its hooks; their order is the order of the
+            token, query/key and mixture hooks.
+    """
+
+    def __init__(self, members: Iterable[PositionalModule]):
+        members = list(members)
+        if len(members) < 2:
+            raise ValueError(f'a Φp stack combines two or more Φp, got {len(members)}: use the Φp itself')
+        for index, member in enumerate(members):
+            if not isinstance(member, PositionalModule):
+                raise TypeError(f'Φp stack member {index} is {type(member).__name__}, not a PositionalModule')
+            if isinstance(member, PhiStack):
+                raise TypeError(f'Φp stack member {index} is itself a stack: list its members in one stack')
+            if any(member is other for other in members[:index]):
+                raise ValueError(f'Φp stack member {index} is the same module as an earlier one: build each once')
+        hooks = frozenset().union(*(member.declared_hooks() for member in members))
+        super().__init__(hooks=hooks, bias_per_image=any(
+            member.bias_per_image and member.gives_logits_bias for member in members),
+            call_inputs=[name for member in members for name in member.call_inputs])
+        for index, member in enumerate(members):
+            self.add_module(str(index), member)
+
+    @property
+    def members(self) -> Tuple[PositionalModule, ...]:
+        """The members, in order."""
+        return tuple(self.children())
+
+    def _contributing(self, hook: str) -> Iterator[PositionalModule]:
+        return (member for member in self.members if member.contributes(hook))
+
+    # Each member gets the call inputs it declared (``given``: the union the stack declares).
+
+    def tokens(self, x: torch.Tensor, grid: TokenGrid, **given: Any) -> torch.Tensor:
+        for member in self._contributing('tokens'):
+            x = member.tokens(x, grid, **member.given(given))
+        return x
+
+    def queries_keys(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid,
+                     **given: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        for member in self._contributing('queries_keys'):
+            q, k = member.queries_keys(q, k, grid, **member.given(given))
+        return q, k
+
+    def logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid, **given: Any) -> Optional[torch.Tensor]:
+        return _sum(member.logits_bias(q, k, grid, **member.given(given))
+                    for member in self._contributing('logits_bias'))
+
+    def mix_probabilities(self, attn: torch.Tensor, grid: TokenGrid, key_mask: Optional[torch.Tensor] = None,
+                          **given: Any) -> torch.Tensor:
+        for member in self._contributing('mix_probabilities'):
+            attn = member.mix_probabilities(attn, grid, key_mask, **member.given(given))
+        return attn
+
+    def value_term(self, attn: torch.Tensor, grid: TokenGrid, **given: Any) -> Optional[torch.Tensor]:
+        return _sum(member.value_term(attn, grid, **member.given(given)) for member in self._contributing('value_term'))
+
+    def position_inputs(self) -> Tuple[torch.Tensor, ...]:
+        return ()  # the members cache their own terms; the stack caches nothing
+
+    def __getitem__(self, index: int) -> PositionalModule:
+        return self.members[index]
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def __iter__(self) -> Iterator[PositionalModule]:
+        return iter(self.members)
+
+
+def _sum(terms: Iterable[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+    total = None
+    for term in terms:
+        if term is not None:
+            total = term if total is None else total + term
+    return total
