@@ -1,12 +1,16 @@
 """swap_attention(model, phi=['own', X]): the model's own scheme converted into a Φp and a new one
-added, exact in float64 against the same model swapped with X while its own scheme is applied the
-model's way (timm's RoPE rotation, BEiT's and Swin's tables), outputs and gradients."""
+added, exact in float64, outputs and gradients: against the same model swapped with X while its own
+scheme is applied the model's way (timm's RoPE rotation, BEiT's and Swin's tables, ConViT's gated
+attention), and on BEiT and Swin against timm's own model whose tables hold the ALiBi offsets
+besides their own (what timm computes, nothing of posattn's)."""
 import copy
+import math
 
 import pytest
 import torch
 
 from conftest import randomised
+from test_alibi import released_slopes
 from test_swap_own_rope import rope_tables_in_float64
 from posattn import PhiStack
 from posattn.phi.gpsa import GatedPositionalAttention
@@ -127,3 +131,38 @@ def test_a_model_without_an_own_scheme_is_refused():
     model = timm.create_model('vit_tiny_patch16_224', pretrained=False, img_size=32, depth=1, num_classes=2)
     with pytest.raises(TypeError, match="phi='own' converts"):
         swap_attention(model, phi=['own', 'alibi'])
+
+
+def alibi_in_the_tables(model):
+    """timm's model with 2D ALiBi added to each relative table: row (dy, dx) of every head gets
+    -m_h sqrt(dy^2 + dx^2) (ALiBi's released slopes), the class-token rows nothing."""
+    for module in model.modules():
+        table = getattr(module, 'relative_position_bias_table', None)
+        if table is None or not isinstance(table, torch.nn.Parameter):
+            continue
+        height, width = module.window_size
+        slopes = released_slopes(table.shape[1])
+        with torch.no_grad():
+            for row in range((2 * height - 1) * (2 * width - 1)):
+                dy, dx = row // (2 * width - 1) - (height - 1), row % (2 * width - 1) - (width - 1)
+                for head, slope in enumerate(slopes):
+                    table[row, head] -= slope * math.hypot(dy, dx)
+    return model
+
+
+@pytest.mark.parametrize('name', ['beit', 'swin'])
+def test_own_plus_alibi_is_timms_model_with_alibi_in_its_tables(name):
+    original = drawn(name)
+    stacked = swap_attention(copy.deepcopy(original), phi=['own', 'alibi']).eval()
+    oracle = alibi_in_the_tables(copy.deepcopy(original)).eval()
+    x = torch.randn(2, 3, *MODELS[name][1], generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    x_stacked, x_oracle = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got, expected = stacked(x_stacked), oracle(x_oracle)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
+    got.square().sum().backward()
+    expected.square().sum().backward()
+    torch.testing.assert_close(x_stacked.grad, x_oracle.grad, rtol=0, atol=1e-9)
+    for param_name, param in oracle.named_parameters():
+        counterpart = stacked.get_parameter(param_name.replace('relative_position_bias_table',
+                                                               'phi.0.relative_position_bias_table'))
+        torch.testing.assert_close(counterpart.grad, param.grad, rtol=0, atol=1e-9, msg=param_name)
