@@ -111,6 +111,9 @@ def test_mixtures_run_in_order_and_value_terms_add():
     out = (attn @ v + irpe.value_term(attn, GRID)).transpose(1, 2).reshape(x.shape)
     expected = out @ layer.proj.weight.t() + layer.proj.bias
     torch.testing.assert_close(layer(x, GRID), expected, rtol=0, atol=1e-12)
+    position, gate = layer.phi.mixture_parts(GRID)  # what the analyses read: the mixing member's parts
+    assert torch.equal(position, gpsa.position_attention(3, 4)) and torch.equal(gate, gpsa.gate)
+    assert irpe.mixture_parts(GRID) is None
 
 
 def test_the_stack_declares_the_union_of_its_members():

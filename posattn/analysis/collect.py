@@ -12,8 +12,8 @@ b being the Φp's logits bias. A Φp without one (``none``, ``peg``) has no Φp 
 For ``irpe`` Φp = exp(b) is the position term of Appendix D, contextual in ctx mode. A Φp that
 mixes a positional attention into the probabilities (``gpsa``, ConViT's gated positional
 self-attention) gives its maps as the layer attends with them: Φa is the mixture, Φp its
-positional attention (``position_attention``), and its gate per head (``gate``, the share of
-positional attention) comes with them. The model's own forward runs unchanged; nothing of it is
+positional attention and its gate per head (the share of positional attention), both from its
+declared :meth:`~posattn.phi.PositionalModule.mixture_parts`. The model's own forward runs unchanged; nothing of it is
 copied here.
 """
 from __future__ import annotations
@@ -75,12 +75,13 @@ def attention_maps(q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor
 
 def _mixed_in_position(phi: PositionalModule, grid: TokenGrid) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Φp (1, heads, P, P) and the gate (heads,), float32, of a Φp that mixes a positional attention into
-    the probabilities, where it gives them as ``gpsa`` does: ``position_attention(H, W)`` (heads, P, P)
-    and ``gate`` (heads,); None for what it does not give."""
-    position_attention, gate = getattr(phi, 'position_attention', None), getattr(phi, 'gate', None)
-    position = None if position_attention is None else position_attention(grid.height, grid.width)[None]
-    return (None if position is None else position.detach().float(),
-            None if gate is None else gate.detach().float())
+    the probabilities, from its :meth:`~posattn.phi.PositionalModule.mixture_parts`; None, None where
+    it gives none."""
+    parts = phi.mixture_parts(grid)
+    if parts is None:
+        return None, None
+    position, gate = parts
+    return position[None].detach().float(), gate.detach().float()
 
 
 def _attention_layers(model: nn.Module) -> Dict[str, Attention]:

@@ -188,6 +188,12 @@ class PositionalModule(ConversionNotified):
         """Term added to ``attn @ v``, given the probabilities ``attn`` (B, heads, N, N)."""
         return None
 
+    def mixture_parts(self, grid: TokenGrid) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """For the analyses, where :meth:`mix_probabilities` mixes a positional attention in: that
+        attention over the grid pairs (heads, P, P), rows summing to 1, and each head's share of it
+        (heads,); None (the default) where the Φp has no such parts."""
+        return None
+
     # Caching, owned here: a Φp states what its positions are computed from, never how to cache.
 
     def position_inputs(self) -> Tuple[torch.Tensor, ...]:

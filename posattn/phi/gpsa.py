@@ -141,6 +141,10 @@ class GatedPositionalAttention(PositionalModule):
         return self.cached(('position_attention', height, width, weight.dtype, weight.device),
                            lambda: self.position_logits(height, width).softmax(-1))
 
+    def mixture_parts(self, grid: TokenGrid) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The positional attention over the grid pairs (heads, HW, HW) and the gates σ(λ_h) (heads,)."""
+        return self.position_attention(grid.height, grid.width), self.gate
+
     def _masked_position_attention(self, grid: TokenGrid, key_mask: torch.Tensor) -> torch.Tensor:
         """The positional attention over the grid keys ``key_mask`` (B, N) keeps: (B, heads, HW, HW);
         zero for a sequence with no grid key left."""

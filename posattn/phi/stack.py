@@ -84,6 +84,11 @@ class PhiStack(PositionalModule):
     def value_term(self, attn: torch.Tensor, grid: TokenGrid, **given: Any) -> Optional[torch.Tensor]:
         return _sum(member.value_term(attn, grid, **member.given(given)) for member in self._contributing('value_term'))
 
+    def mixture_parts(self, grid: TokenGrid) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """The parts of the first member that mixes a positional attention in, or None."""
+        return next((parts for parts in (member.mixture_parts(grid) for member in self.members)
+                     if parts is not None), None)
+
     def position_inputs(self) -> Tuple[torch.Tensor, ...]:
         return ()  # the members cache their own terms; the stack caches nothing
 
