@@ -47,6 +47,18 @@ def drawn(name):
     return model
 
 
+def assert_same_outputs_and_input_gradients(got_model, expected_model, size):
+    """Both models on the same float64 images: outputs to 1e-10, the images' gradients (of the sum of
+    squared outputs) to 1e-9; each model's parameters are left holding their gradients."""
+    x = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    x_got, x_expected = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got, expected = got_model(x_got), expected_model(x_expected)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
+    got.square().sum().backward()
+    expected.square().sum().backward()
+    torch.testing.assert_close(x_got.grad, x_expected.grad, rtol=0, atol=1e-9)
+
+
 def layers(model):
     return [m for m in model.modules() if isinstance(m, SwappedAttention)]
 
@@ -74,13 +86,7 @@ def test_own_plus_a_new_phi_is_the_model_with_it_beside_its_own(name, new):
     same_new_phi(stacked, kept)
     for layer in layers(stacked):
         assert isinstance(layer.phi, PhiStack) and isinstance(layer.phi[0], (MODELS[name][2], NoPosition))
-    x = torch.randn(2, 3, *MODELS[name][1], generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    x_stacked, x_kept = x.clone().requires_grad_(), x.clone().requires_grad_()
-    got, expected = stacked(x_stacked), kept(x_kept)
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
-    got.square().sum().backward()
-    expected.square().sum().backward()
-    torch.testing.assert_close(x_stacked.grad, x_kept.grad, rtol=0, atol=1e-9)
+    assert_same_outputs_and_input_gradients(stacked, kept, MODELS[name][1])
     compared = 0
     for param_name, param in kept.named_parameters():
         counterpart = _counterpart(stacked, param_name)
@@ -155,13 +161,7 @@ def test_own_plus_alibi_is_timms_model_with_alibi_in_its_tables(name):
     original = drawn(name)
     stacked = swap_attention(copy.deepcopy(original), phi=['own', 'alibi']).eval()
     oracle = alibi_in_the_tables(copy.deepcopy(original)).eval()
-    x = torch.randn(2, 3, *MODELS[name][1], generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    x_stacked, x_oracle = x.clone().requires_grad_(), x.clone().requires_grad_()
-    got, expected = stacked(x_stacked), oracle(x_oracle)
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
-    got.square().sum().backward()
-    expected.square().sum().backward()
-    torch.testing.assert_close(x_stacked.grad, x_oracle.grad, rtol=0, atol=1e-9)
+    assert_same_outputs_and_input_gradients(stacked, oracle, MODELS[name][1])
     for param_name, param in oracle.named_parameters():
         counterpart = stacked.get_parameter(param_name.replace('relative_position_bias_table',
                                                                'phi.0.relative_position_bias_table'))
