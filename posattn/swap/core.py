@@ -320,7 +320,7 @@ def swap_attention(model: nn.Module, phi: PhiSpec = 'peripheral', *, own_positio
     layers = [layer for _, layer in replacements if isinstance(layer, SwappedAttention)]
     added = [param for param in _added_parameters(layers) if param.requires_grad]
     if added:
-        warnings.warn(_added_parameters_message(model, phi, added, len(layers)), AddedParametersWarning,
+        warnings.warn(_added_parameters_message(model, ' + '.join(names), added, len(layers)), AddedParametersWarning,
                       stacklevel=2)
     return model
 
