@@ -15,23 +15,19 @@ from .phi.registry import PhiOptions, PhiSpec
 
 __all__ = ['Attention', 'LogitsProbe']
 
-# (attention probabilities (B, heads, N, N), grid, key mask or None) -> probabilities of the same shape
-ProbabilityMixture = Callable[[torch.Tensor, TokenGrid, Optional[torch.Tensor]], torch.Tensor]
-
-
 class LogitsProbe(nn.Module):
     """Where the layer's attention logits can be observed: called with (q, k, bias, grid), computes nothing.
 
     ``q``, ``k``: (B, heads, N, head_dim), unscaled; ``bias``: Φp's logits bias or None; ``grid``:
     the :class:`TokenGrid` of the N tokens; ``key_mask``: the layer's key mask or None, and
-    ``own_bias``: the logits bias of the model's own positional scheme (in a swapped model: a
-    relative position table, Swin's shift mask) or None, both passed by keyword (a hook registered
-    ``with_kwargs=True`` sees them). A forward hook on it sees exactly what the layer's softmax
-    uses, whatever called the layer (``posattn.analysis`` reads attention maps this way).
+    ``attn_mask``: an additive mask of the logits that is not positional (Swin's shift mask in a
+    swapped Swin) or None, both passed by keyword (a hook registered ``with_kwargs=True`` sees
+    them). A forward hook on it sees exactly what the layer's softmax uses, whatever called the
+    layer (``posattn.analysis`` reads attention maps this way).
     """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor], grid: TokenGrid,
-                key_mask: Optional[torch.Tensor] = None, own_bias: Optional[torch.Tensor] = None) -> None:
+                key_mask: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None) -> None:
         return None
 
 
@@ -158,34 +154,30 @@ class Attention(nn.Module):
         return self.q_norm(q), self.k_norm(k), v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: TokenGrid,
-               key_mask: Optional[torch.Tensor] = None, own_bias: Optional[torch.Tensor] = None,
-               own_mixture: Optional[ProbabilityMixture] = None, *,
+               key_mask: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None, *,
                given: Optional[Mapping[str, Any]] = None) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d) + Φp's bias + own_bias) v (+ Φp's value term), heads merged:
+        """softmax(q k^T / sqrt(d) + Φp's bias + attn_mask) v (+ Φp's value term), heads merged:
         (B, N, heads * d), before the output projection; q and k pass the Φp's
         :meth:`~posattn.phi.PositionalModule.queries_keys` first, and the probabilities its
         :meth:`~posattn.phi.PositionalModule.mix_probabilities`.
 
-        ``own_bias``: an additive logits bias broadcastable to (B, heads, N, N) that is not the
-        Φp's (a swapped model's own relative positions or shift mask), or None. ``own_mixture``:
-        called as ``own_mixture(attn, grid, key_mask)`` on the probabilities after the Φp's mixture,
-        the model's own (ConViT's gated positional attention in a swapped ConViT), or None.
-        ``given``: the call inputs the Φp declared (:meth:`given`), passed on to its hooks.
+        ``attn_mask``: an additive mask of the logits, broadcastable to (B, heads, N, N), that is not
+        positional (Swin's shift mask, -100 between regions a shifted window joins), or None; every
+        positional term is the Φp's. ``given``: the call inputs the Φp declared (:meth:`given`),
+        passed on to its hooks.
         """
         given = given or {}
-        materialised = self._materialises_probabilities() or own_mixture is not None
+        materialised = self._materialises_probabilities()
         self._check_memory(q, grid, materialised)
         if self.phi.transforms_queries_keys:
             q, k = self.phi.queries_keys(q, k, grid, **given)
         phi_bias = self.phi.logits_bias(q, k, grid, **given) if self.phi.gives_logits_bias else None
-        self.logits_probe(q, k, phi_bias, grid, key_mask=key_mask, own_bias=own_bias)
-        bias = phi_bias if own_bias is None else own_bias if phi_bias is None else phi_bias + own_bias
+        self.logits_probe(q, k, phi_bias, grid, key_mask=key_mask, attn_mask=attn_mask)
+        bias = phi_bias if attn_mask is None else attn_mask if phi_bias is None else phi_bias + attn_mask
         if materialised:
             attn = attention_probs(q, k, bias, key_mask)
             if self.phi.mixes_probabilities:
                 attn = self.phi.mix_probabilities(attn, grid, key_mask, **given)
-            if own_mixture is not None:
-                attn = own_mixture(attn, grid, key_mask)
             attn = self.attn_drop(attn)
             out = attn @ v
             value_term = self.phi.value_term(attn, grid, **given) if self.phi.contributes('value_term') else None

@@ -79,19 +79,19 @@ def test_peripheral_maps_are_what_the_layer_computes(prefix):
         torch.testing.assert_close(out, layer(x, grid), rtol=1e-5, atol=1e-6)
 
 
-def test_maps_with_a_key_mask_and_the_models_own_bias_are_the_layers_probabilities():
-    """Φa is the softmax of the content, the Φp bias and the swapped model's own bias over the kept
+def test_maps_with_a_key_mask_and_an_attention_mask_are_the_layers_probabilities():
+    """Φa is the softmax of the content, the Φp bias and the attention mask over the kept
     keys, Φc that of the content alone; a sequence with no key left attends to nothing, as in the
     layer, and has zero maps."""
     generator = torch.Generator().manual_seed(0)
     grid = TokenGrid(2, 3, 1)
     q, k = (torch.randn(3, 2, 7, 4, generator=generator, dtype=torch.float64) for _ in range(2))
-    bias, own_bias = torch.randn(1, 2, 7, 7, generator=generator), torch.randn(3, 1, 7, 7, generator=generator)
+    bias, attn_mask = torch.randn(1, 2, 7, 7, generator=generator), torch.randn(3, 1, 7, 7, generator=generator)
     key_mask = torch.tensor([[1] * 7, [1, 0, 1, 1, 0, 1, 1], [0] * 7], dtype=torch.bool)
-    maps = attention_maps(q, k, bias, grid, key_mask, own_bias)
+    maps = attention_maps(q, k, bias, grid, key_mask, attn_mask)
     logits = q @ k.transpose(-2, -1) / 2  # head_dim 4
     for b, keep in enumerate(key_mask):
-        for name, logits_bias in (('content', 0.0), ('mixed', bias[0].double() + own_bias[b].double())):
+        for name, logits_bias in (('content', 0.0), ('mixed', bias[0].double() + attn_mask[b].double())):
             expected = torch.zeros(2, 7, 7, dtype=torch.float64)
             if keep.any():
                 expected[:, :, keep] = (logits[b] + logits_bias)[:, :, keep].softmax(-1)

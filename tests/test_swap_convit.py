@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import posattn
+from posattn.phi import PhiStack
 from posattn.phi.gpsa import GatedPositionalAttention
 from posattn.phi.none import NoPosition
 from posattn.phi.peripheral import PeripheralPhi
@@ -108,11 +109,13 @@ def test_another_phi_swaps_in_beside_the_gated_attention():
     original = copy.deepcopy(model.state_dict())
     posattn.swap_attention(model, phi='peripheral')
     layers = [block.attn for block in model.blocks]
-    assert all(isinstance(layer.phi, PeripheralPhi) for layer in layers)
-    assert [layer.phi.num_heads for layer in layers] == [4, 4, 4]
+    # a GPSA block's gated attention comes first in its stack, an MHSA block has the Φp alone
+    assert [type(layer.phi) for layer in layers] == [PhiStack, PhiStack, PeripheralPhi]
+    assert all(isinstance(layer.phi[0], GatedPositionalAttention) for layer in layers[:2])
+    named = [layers[0].phi[1], layers[1].phi[1], layers[2].phi]
+    assert [phi.num_heads for phi in named] == [4, 4, 4]
     assert [layer.num_prefix_tokens for layer in layers] == [0, 0, 1]
-    assert layers[0].own_gpsa.gating_param is not None and layers[2].own_gpsa is None
-    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "blocks\.0\.attn\.phi\.proj1_weight"'):
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "blocks\.0\.attn\.phi\.1\.proj1_weight"'):
         model.load_state_dict(original, strict=True)  # strict: the Φp's keys are not in ConViT's weights
     with pytest.warns(UserWarning, match='the loaded weights hold no Φp keys'):
         fresh = posattn.load_original_weights(model, original)  # timm's names of the GPSA's parameters are renamed
@@ -120,8 +123,8 @@ def test_another_phi_swaps_in_beside_the_gated_attention():
     model.train()
     loss = F.cross_entropy(model(x), torch.tensor([1, 2]))
     loss.backward()
-    assert torch.isfinite(loss) and layers[0].phi.norm2_bias.grad.abs().sum() > 0
-    assert layers[0].own_gpsa.gating_param.grad.abs().sum() > 0
+    assert torch.isfinite(loss) and named[0].norm2_bias.grad.abs().sum() > 0
+    assert layers[0].phi[0].gating_param.grad.abs().sum() > 0
 
     dropped = posattn.swap_attention(small_convit(), phi='peripheral', own_positions=False).train()
     unused = [*dropped.blocks[0].attn.own_gpsa.parameters()]

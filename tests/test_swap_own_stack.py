@@ -63,12 +63,17 @@ def layers(model):
     return [m for m in model.modules() if isinstance(m, SwappedAttention)]
 
 
+def named_phi(layer):
+    """The Φp swapped in by name: last in a stack that keeps the model's own scheme first."""
+    return layer.phi[-1] if isinstance(layer.phi, PhiStack) else layer.phi
+
+
 def same_new_phi(stacked, kept):
     """The new Φp of both models equal: drawn in the stacked one, copied into the other."""
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for stack_layer, kept_layer in zip(layers(stacked), layers(kept)):
-            for got, expected in zip(stack_layer.phi[1].parameters(), kept_layer.phi.parameters()):
+            for got, expected in zip(stack_layer.phi[1].parameters(), named_phi(kept_layer).parameters()):
                 got.copy_(torch.randn(got.shape, generator=generator, dtype=got.dtype))
                 expected.copy_(got)
 
@@ -99,14 +104,15 @@ def test_own_plus_a_new_phi_is_the_model_with_it_beside_its_own(name, new):
 
 
 def _counterpart(stacked, name):
-    """The stacked model's parameter for the kept model's ``name``: the new Φp sits at ``phi.1``, a
-    converted table at ``phi.0`` under its own name."""
+    """The stacked model's parameter for the kept model's ``name``: in the stacked model the new Φp sits
+    at ``phi.1`` and the model's own scheme, converted, at ``phi.0``; in the kept model the own scheme
+    is first in the stack where it holds parameters (ConViT's gated attention, ``phi.0``) and the
+    tables stay the layer's."""
     parts = name.split('.')
     if 'phi' in parts:
         index = parts.index('phi')
-        parts[index + 1:index + 1] = ['1']
-    elif 'own_gpsa' in parts:  # ConViT's gated attention, kept beside a named Φp; converted at phi.0
-        parts[parts.index('own_gpsa')] = 'phi.0'
+        if not parts[index + 1].isdigit():  # the new Φp alone (a layer with no scheme of its own)
+            parts[index + 1:index + 1] = ['1']
     elif parts[-1] == 'relative_position_bias_table':
         parts[-1:] = ['phi', '0', 'relative_position_bias_table']
     return stacked.get_parameter('.'.join(parts))

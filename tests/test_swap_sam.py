@@ -75,7 +75,7 @@ def test_own_gives_timms_outputs(size):
     """decomposed_rpb computes SAM's term, with its linear resampling of the global block's embeddings."""
     model = drawn()
     swapped = swap_attention(copy.deepcopy(model), phi='own')
-    assert all(isinstance(layer.phi, DecomposedRelativePositionBias) and not layer.own_positions
+    assert all(isinstance(layer.phi, DecomposedRelativePositionBias)
                for layer in layers(swapped))
     assert [layer.phi.table_size for layer in layers(swapped)] == [(3, 3), (4, 4), (3, 3)]
     assert_same_outputs(swapped, model, images(*size))

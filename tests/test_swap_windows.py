@@ -12,6 +12,7 @@ import posattn
 from conftest import assert_swap_keeps_outputs, assert_trains_with_every_phi, randomised
 from posattn.phi.peripheral import peripheral_init
 from posattn.swap import SwappedAttention, swap_attention
+from posattn.swap.given import GivenBias
 from posattn.swap.timm_swin import TimmWindowAttention
 from posattn.swap.torchvision_swin import TorchvisionWindowAttention
 from posattn.swap.window_tables import WindowTableAttention
@@ -189,7 +190,8 @@ def test_the_phi_is_evaluated_once_on_the_window_grid(build, x, window):
     assert grids == (posattn.TokenGrid(*window),) * 4
     assert all_windows == (2 * 12, 2 * 12, 2 * 4, 2 * 4)  # 2 images of 4 x 3, then 2 x 2 windows (padded)
     assert bias_batches == (1, 1, 1, 1)  # one bias for every window
-    sizes = [layer.phi.norm2_bias[0].item() for layer in layers]
+    assert all(isinstance(layer.phi[0], GivenBias) for layer in layers)  # the table's bias, kept first
+    sizes = [layer.phi[1].norm2_bias[0].item() for layer in layers]
     assert sizes == pytest.approx([peripheral_init(i, 4)[0] for i in range(4)])  # depth order over both stages
 
 

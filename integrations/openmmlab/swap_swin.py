@@ -22,7 +22,7 @@ from torch import nn
 
 from posattn.swap import AttentionSite, SwapPlan, register_family
 from posattn.swap.core import described, imported
-from posattn.swap.window_tables import COSINE_ATTENTION, WindowTableAttention, table_phi, tables_of
+from posattn.swap.window_tables import COSINE_ATTENTION, WindowTableAttention, kept_table, table_phi, tables_of
 
 __all__ = ['openmmlab_swin_transformer']
 
@@ -43,7 +43,7 @@ def _swin_plan(family: str, model: nn.Module, ShiftWindowMSA: type, WindowMSA: t
         sites.append(AttentionSite(shifted, 'w_msa', attn.embed_dims, attn.num_heads))
     embeddings = [model.absolute_pos_embed] if model.use_abs_pos_embed else []
     return SwapPlan(family, sites, WindowTableAttention, position_embeddings=embeddings,
-                    position_parameters=tables_of(sites), own_phi=table_phi)
+                    position_parameters=tables_of(sites), own_phi=table_phi, kept_phi=kept_table)
 
 
 # family: (the module of its SwinTransformer, the module of its ShiftWindowMSA and WindowMSA)

@@ -46,23 +46,24 @@ class AttentionMaps:
 
 
 def attention_maps(q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor], grid: TokenGrid,
-                   key_mask: Optional[torch.Tensor] = None, own_bias: Optional[torch.Tensor] = None,
+                   key_mask: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None,
                    phi: Optional[PositionalModule] = None) -> AttentionMaps:
     """Φc, Φa and Φp (module docstring) from a layer's q, k (B, heads, N, d), logits bias and key mask.
 
     The probabilities are the layer's (:func:`posattn.functional.attention_probs`), in float32:
     the softmax runs over all N keys, extra tokens included, leaving out the keys ``key_mask``
     (B, N) marks False (padding of windowed attention); the maps are then cut to the grid's
-    queries and keys. ``own_bias``, the swapped model's own positional bias, is part of Φa (the
-    layer's softmax uses it) and of neither Φc nor Φp. ``phi``: the layer's Φp; one that mixes the
+    queries and keys. ``attn_mask``, a mask of the logits that is not positional (Swin's shift
+    mask in a swapped Swin), is part of Φa (the layer's softmax uses it) and of neither Φc nor Φp;
+    a swapped model's own relative positions, where kept, are a member of the layer's Φp, in b. ``phi``: the layer's Φp; one that mixes the
     probabilities mixes Φa as the layer does and gives Φp and the gate (:func:`_mixed_in_position`).
     """
     q, k = q.float(), k.float()
     bias = None if bias is None else bias.float()
-    own_bias = None if own_bias is None else own_bias.float()
+    attn_mask = None if attn_mask is None else attn_mask.float()
     inner = slice(grid.num_prefix_tokens, None)
     content = attention_probs(q, k, None, key_mask)  # (B, heads, N, N)
-    logits_bias = bias if own_bias is None else own_bias if bias is None else bias + own_bias  # as the layer sums them
+    logits_bias = bias if attn_mask is None else attn_mask if bias is None else bias + attn_mask  # as the layer sums them
     probs = content if logits_bias is None else attention_probs(q, k, logits_bias, key_mask)
     position, gate = None if bias is None else bias[..., inner, inner].exp(), None
     if phi is not None and phi.mixes_probabilities:

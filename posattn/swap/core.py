@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 import torch
 from torch import nn
 
-from ..attention import Attention, ProbabilityMixture
+from ..attention import Attention
 from ..grid import TokenGrid
 from ..phi import PhiStack, PositionalModule, build_layer_phi
 from ..phi.registry import PhiSpec, checked_phi_list
@@ -75,6 +75,11 @@ class SwapPlan:
             positional scheme computes at the ``index``-th site, holding the very parameters of it
             (a table, learned frequencies), for ``swap_attention(model, phi='own')``; None where
             the family has no such conversion.
+        kept_phi: ``kept_phi(site, index)``, the model's own relative positional scheme at the
+            ``index``-th site as the Φp that apply it beside a named Φp, first in the layer's
+            :class:`~posattn.phi.PhiStack`: most hold nothing and apply what the model or the
+            adapter computes from its own parameters and gives with the call
+            (:mod:`posattn.swap.given`). An empty list where the site has no such scheme.
     """
     family: str
     sites: List[AttentionSite]
@@ -83,6 +88,7 @@ class SwapPlan:
     position_embeddings: Sequence[Optional[nn.Parameter]] = field(default_factory=list)
     position_parameters: Sequence[Optional[nn.Parameter]] = field(default_factory=list)
     own_phi: Optional[Callable[[AttentionSite, int], PositionalModule]] = None
+    kept_phi: Callable[[AttentionSite, int], List[PositionalModule]] = lambda site, index: []  # none kept
 
 
 def packs_self_attention(mha: nn.MultiheadAttention) -> bool:
@@ -97,26 +103,26 @@ class SwappedAttention(Attention):
 
     A subclass implements ``forward`` with the replaced module's signature and :meth:`take_over`,
     which moves the replaced module's submodules and parameters in (the same objects: an optimiser
-    built before the swap still updates them). ``own_positions`` says whether the model's own
-    positional terms (RoPE, relative position tables, absolute embeddings) are kept beside the Φp.
+    built before the swap still updates them).
 
     Between its arguments and its return value (a residual, layer scale, an ``(out, None)``
     pair), each forward calls :meth:`attention_output`, which computes what
     :class:`posattn.Attention` computes with the replaced module's extras at fixed places::
 
         q, k, v = split_heads(project_qkv(Φp.tokens(x)))        BEiT / EVA: separate q and v biases
-        q, k    = rotation(q), rotation(k)                       EVA: its RoPE, when kept
-        out     = attend(q, k, v, own_bias, own_mixture)         relative position tables, shift masks,
-                                                                 ConViT's gated positional attention
+        out     = attend(q, k, v, attn_mask, given)              Swin's shift mask
         out     = proj_drop(proj(before_projection(out, x)))     timm / EVA: sub-LN and gate
 
-    A subclass overrides only the hooks where its model differs.
+    A subclass overrides only the hooks where its model differs. The model's own relative
+    positional scheme, where it is kept, is the first member of the layer's
+    :class:`~posattn.phi.PhiStack` (the plan's ``kept_phi``); what the model or the adapter
+    computes for it each call (EVA's ``rope``, a relative position bias from the model's own
+    table) is offered to :meth:`attention_output`, which passes it to the Φp that declare it.
 
     ``added_parameter_names``: the names (in this layer) of the parameters that the swap created,
     which the model did not hold before it (a named Φp's); see :func:`parameters_added_by_swap`.
     """
     grid_tracker: Optional[GridTracker] = None
-    own_positions: bool = True
     added_parameter_names: Tuple[str, ...] = ()
 
     @classmethod
@@ -144,31 +150,30 @@ class SwappedAttention(Attention):
         return self.grid_tracker.grid(self.num_prefix_tokens, *tensors)
 
     def attention_output(self, x: torch.Tensor, *tensors: Optional[torch.Tensor],
-                         own_bias: Optional[torch.Tensor] = None,
-                         rotation: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                         own_mixture: Optional[ProbabilityMixture] = None, **offered: Any) -> torch.Tensor:
+                         attn_mask: Optional[torch.Tensor] = None, **offered: Any) -> torch.Tensor:
         """x (B, N, C) -> the layer's output (B, N, C), after the output projection and its dropout.
 
         Args:
             x: the tokens of this call, on :meth:`current_grid`'s grid.
             *tensors: what the call was given besides ``x`` (the block's input), passed on to
                 :meth:`current_grid`.
-            own_bias: the model's own logits bias, broadcastable to (B, heads, N, N), or None.
-            rotation: applied to the queries and keys (B, heads, N, d) before the logits and the
-                Φp (EVA's RoPE); the results take the values' dtype, as in timm's EVA.
-            own_mixture: the model's own mixture of the attention probabilities (ConViT's gated
-                positional attention), applied after the Φp's, or None.
-            **offered: what the model hands this call (EVA's ``rope``, BEiT's ``shared_rel_pos_bias``):
-                the Φp receives those it declares as its ``call_inputs``.
+            attn_mask: an additive mask of the logits that is not positional (Swin's shift mask),
+                broadcastable to (B, heads, N, N), or None.
+            **offered: what the model hands this call (EVA's ``rope``, BEiT's ``shared_rel_pos_bias``)
+                or the adapter computes from the model's own parameters: the Φp receives those it
+                declares as its ``call_inputs``.
         """
         grid = self.grid_of(x, self.current_grid(*tensors))
         given = self.phi.given(self.taking(offered))
         tokens = self.phi.tokens(x, grid, **given) if self.phi.contributes('tokens') else x
         q, k, v = self.split_heads(self.project_qkv(tokens))
-        if rotation is not None:
-            q, k = rotation(q).type_as(v), rotation(k).type_as(v)
-        out = self.attend(q, k, v, grid, own_bias=own_bias, own_mixture=own_mixture, given=given)
+        out = self.attend(q, k, v, grid, attn_mask=attn_mask, given=given)
         return self.proj_drop(self.proj(self.before_projection(out, x)))
+
+    def reads(self, name: str) -> bool:
+        """Whether the layer's Φp reads ``name`` given with the call: an adapter computes a term of the
+        model's own scheme (a relative position bias from its table) only where one does."""
+        return name in self.phi.call_inputs
 
     def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, N, C) -> (B, N, 3 * heads * d), laid out as (three, heads, d)."""
@@ -299,12 +304,16 @@ def swap_attention(model: nn.Module, phi: PhiSpec = 'peripheral', *, own_positio
                                        num_prefix_tokens=site.num_prefix_tokens, layer_index=index,
                                        num_layers=len(plan.sites)).to(reference.device, reference.dtype)
                        for name, config in zip(names, configs)]
+            # the model's own relative scheme, kept beside the named Φp, comes first ('none' adds nothing to it)
+            kept = plan.kept_phi(site, index) if own_positions and not converting else []
+            if kept:
+                members = kept + [member for name, member in zip(names, members) if name != NONE]
             built = members[0] if len(members) == 1 else PhiStack(members)
             layer = plan.adapter.replacing(old, built, site)
-            # the model's own relative scheme is the converted Φp, applied once
-            layer.grid_tracker, layer.own_positions = tracker, own_positions and not converting
-            if converting:
-                _hand_own_parameters_to_phi(layer)
+            layer.grid_tracker = tracker
+            _hand_own_parameters_to_phi(layer)
+            if kept and len(members) > len(kept):
+                _rename_named_phi_keys(layer, members[len(kept):], len(kept))
             layer.added_parameter_names = tuple(name for name, param in layer.named_parameters()
                                                 if id(param) not in held_before)
             replacements.append((site, layer))
@@ -369,6 +378,7 @@ def _added_parameters_message(model: nn.Module, phi: str, added: Sequence[nn.Par
 
 
 OWN = 'own'  # swap_attention's Φp name for the model's own positional scheme, converted
+NONE = 'none'  # the Φp that adds nothing
 
 
 def _phi_names(phi: PhiSpec, phi_cfg: Dict[str, Any]) -> Tuple[List[str], List[Optional[Mapping[str, Any]]]]:
@@ -409,6 +419,20 @@ def _hand_own_parameters_to_phi(layer: 'SwappedAttention') -> None:
         if id(param) in phi_names:
             layer.register_parameter(name, None)
             renames[name] = f'phi.{phi_names[id(param)]}'
+    if renames:
+        layer.register_load_state_dict_pre_hook(functools.partial(_rename_keys, renames=renames))
+
+
+def _rename_named_phi_keys(layer: 'SwappedAttention', named: Sequence[PositionalModule], offset: int) -> None:
+    """Weights saved where the named Φp were the layer's whole Φp (``phi.<key>`` for one,
+    ``phi.<i>.<key>`` for a list) load into the stack that puts the model's own scheme first, where
+    they are members ``offset``, ``offset + 1``, ... (``phi.<offset + i>.<key>``). Renamed from the
+    last member down, so that no key is moved onto one not yet moved."""
+    if len(named) == 1:
+        renames = {f'phi.{key}': f'phi.{offset}.{key}' for key in named[0].state_dict()}
+    else:
+        renames = {f'phi.{i}.{key}': f'phi.{offset + i}.{key}'
+                   for i in reversed(range(len(named))) for key in named[i].state_dict()}
     if renames:
         layer.register_load_state_dict_pre_hook(functools.partial(_rename_keys, renames=renames))
 

@@ -1,26 +1,28 @@
 """timm's ``Beit`` (BEiT, BEiT v2): the ``Attention`` of every block, with its separate q/v biases
 and its relative position bias, a learned table over the offsets of the image's patch grid plus
 three entries for the class token (Bao et al. 2022), per block or shared by all blocks
-(``use_shared_rel_pos_bias``). Both are kept under timm's names unless the model's own positions
-are dropped; BEiT's grid is fixed at construction, and ``set_input_size`` still resizes the tables
+(``use_shared_rel_pos_bias``). Both stay under timm's names, and while the model's own positions
+are kept the first members of each layer's Φp add them (:class:`~posattn.swap.given.GivenBias`: the
+block's table bias as the layer computes it, the shared one as the model gives it); BEiT's grid is fixed at construction, and ``set_input_size`` still resizes the tables
 after the swap. With ``phi='own'`` each block's table becomes an ``rpb`` Φp's (the same Parameter,
 saved under the Φp's name, loaded from timm's), or, where the model keeps one shared table (saved
 once, under timm's name), every block's Φp is a :class:`GivenBias` that adds the bias the model
 computes from it and gives each block; ``set_input_size`` resizes them as timm does."""
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+import functools
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from einops import rearrange
 from torch import nn
 
-from ..grid import TokenGrid
 from ..phi import PositionalModule
 from ..phi.rpb import NUM_PREFIX_ENTRIES, num_offsets, relative_position_index
 from .core import AttentionSite, SwapPlan, described, imported, register_family
+from .given import GivenBias
 from .qkv_biases import SeparateBiasQkv
-from .window_tables import resize_table, table_phi
+from .window_tables import RELATIVE_POSITION_BIAS, resize_table, table_phi
 
 _BEIT = 'timm.models.beit'
 
@@ -34,17 +36,9 @@ class BeitAttention(SeparateBiasQkv):
         self.num_relative_distance = getattr(old, 'num_relative_distance', None)
 
     def forward(self, x: torch.Tensor, shared_rel_pos_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self.attention_output(x, own_bias=self.own_bias(shared_rel_pos_bias),
-                                     shared_rel_pos_bias=shared_rel_pos_bias)
-
-    def own_bias(self, shared: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """The block's table bias (1, heads, N, N) plus the shared one, when the model's positions are kept."""
-        if not self.own_positions:
-            return None
-        if self.relative_position_bias_table is None:
-            return shared
-        bias = beit_relative_position_bias(self.relative_position_bias_table, self.window_size)
-        return bias if shared is None else bias + shared
+        table = self.relative_position_bias_table
+        bias = beit_relative_position_bias(table, self.window_size) if self.reads(RELATIVE_POSITION_BIAS) else None
+        return self.attention_output(x, relative_position_bias=bias, shared_rel_pos_bias=shared_rel_pos_bias)
 
     def set_window_size(self, window_size: Tuple[int, int]) -> None:
         """What timm's ``Attention.set_window_size`` does (``Beit.set_input_size`` calls it): the table is
@@ -105,23 +99,7 @@ def timm_beit(model: nn.Module) -> Optional[SwapPlan]:
     shared = list(model.rel_pos_bias.parameters()) if model.rel_pos_bias is not None else []
     own_phi = _own_phi(model.rel_pos_bias) if any(t is not None for t in tables) or shared else None
     return SwapPlan('timm Beit', sites, BeitAttention, model.patch_embed.proj, [model.pos_embed], tables + shared,
-                    own_phi)
-
-
-class GivenBias(PositionalModule):
-    """A BEiT's shared relative position bias as a Φp: the bias its model computes once per call from
-    its one table (timm's ``RelativePositionBias``, which owns and trains it) and gives every block
-    (``shared_rel_pos_bias=``), added to the logits as given. It owns nothing."""
-
-    def __init__(self):
-        super().__init__(hooks=('logits_bias',), call_inputs=('shared_rel_pos_bias',))
-
-    def logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid,
-                    shared_rel_pos_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if shared_rel_pos_bias is None:
-            raise ValueError('this layer adds its model\'s shared relative position bias, which the model gives each '
-                             'block (shared_rel_pos_bias=); it was called without one: run the whole model')
-        return shared_rel_pos_bias.to(q.dtype)
+                    own_phi, kept_phi=functools.partial(_kept_phi, model.rel_pos_bias is not None))
 
 
 def _own_phi(shared: Optional[nn.Module]) -> Callable[[AttentionSite, int], PositionalModule]:
@@ -135,5 +113,19 @@ def _own_phi(shared: Optional[nn.Module]) -> Callable[[AttentionSite, int], Posi
                             'use_shared_rel_pos_bias): pick a Φp by name (\'none\' keeps both tables)')
         if table is not None:
             return table_phi(site, index)
-        return GivenBias()
+        return GivenBias(SHARED_BIAS)
     return own_phi
+
+
+SHARED_BIAS = 'shared_rel_pos_bias'  # what BEiT's model gives each block, from its one shared table
+
+
+def _kept_phi(shared: bool, site: AttentionSite, index: int) -> List[PositionalModule]:
+    """BEiT's own scheme kept beside a named Φp: the block's table bias, which the layer computes, and
+    the shared bias, which the model gives each block (``shared``: it has one), where the model has them."""
+    kept: List[PositionalModule] = []
+    if site.module.relative_position_bias_table is not None:
+        kept.append(GivenBias(RELATIVE_POSITION_BIAS))
+    if shared:
+        kept.append(GivenBias(SHARED_BIAS))
+    return kept

@@ -7,16 +7,16 @@ and the grid tracker gives each its grid.
 With ``phi='own'`` every GPSA block gets the ``gpsa`` Φp holding the block's own ``pos_proj`` and
 ``gating_param`` (the same objects) and every MHSA block ``none``: the model's outputs are
 timm's, and the state dict holds them under ``...attn.phi.``. With any other Φp the GPSA's gated
-positional attention is the model's own positional term: kept beside the Φp (mixed into the
-probabilities after the Φp's terms, so ``phi='none'`` gives timm's outputs) unless the model's own
-positions are dropped, which also zeroes the absolute embedding and freezes the GPSA's parameters.
-The GPSA's parameters are then under ``...attn.own_gpsa.``. Weights saved before the swap, under
-timm's names, load in either case.
+positional attention is the model's own positional term: kept as the first Φp of the layer's stack
+(a ``gpsa`` holding them, under ``...attn.phi.0.``; its mixture runs before the named Φp's, so
+``phi='none'`` gives timm's outputs) unless the model's own positions are dropped, which also
+zeroes the absolute embedding and freezes the GPSA's parameters, then under ``...attn.own_gpsa.``.
+Weights saved before the swap, under timm's names, load in every case.
 """
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from torch import nn
@@ -57,18 +57,20 @@ class ConvitAttention(SwappedAttention):
             return
         self.qkv = None
         self.take(old, 'qk', 'v')
-        # phi='own' (alone or in a list): a Φp holds the GPSA's own parameters
+        # phi='own' or kept own positions: a Φp of the layer holds the GPSA's own parameters
         holder = next((f'phi.{name}'.rstrip('.') for name, module in self.phi.named_modules()
                        if getattr(module, 'pos_proj', None) is old.pos_proj), None)
-        if holder is None:
+        renames = {}
+        if holder is None:  # own positions dropped: the parameters stay, frozen, unused
             self.own_gpsa = gpsa_of(old)
-            holder = 'own_gpsa'  # weights saved before the swap name them as timm does
-        self.register_load_state_dict_pre_hook(functools.partial(
-            _rename_keys, renames={name: f'{holder}.{name}' for name in _GPSA_KEYS}))
+            holder = 'own_gpsa'
+        else:  # where weights saved with the GPSA beside the Φp held them
+            renames = {f'own_gpsa.{name}': f'{holder}.{name}' for name in _GPSA_KEYS}
+        renames.update({name: f'{holder}.{name}' for name in _GPSA_KEYS})  # timm's names
+        self.register_load_state_dict_pre_hook(functools.partial(_rename_keys, renames=renames))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kept = self.own_gpsa is not None and self.own_positions
-        return self.attention_output(x, own_mixture=self.own_gpsa.mix_probabilities if kept else None)
+        return self.attention_output(x)
 
     def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, N, C) -> (B, N, 3 * heads * d), laid out (three, heads, d): a GPSA's q and k, then its v."""
@@ -104,4 +106,10 @@ def timm_convit(model: nn.Module) -> Optional[SwapPlan]:
             positions += [*attn.pos_proj.parameters(), attn.gating_param]
     embeddings = [model.pos_embed] if model.use_pos_embed else []
     return SwapPlan('timm ConVit', sites, ConvitAttention, model.patch_embed.proj, embeddings, positions,
-                    own_phi=_own_phi)
+                    own_phi=_own_phi, kept_phi=_kept_phi)
+
+
+def _kept_phi(site: AttentionSite, index: int) -> List[PositionalModule]:
+    """A GPSA block's gated positional attention kept beside a named Φp, as a ``gpsa`` holding its
+    parameters (its mixture runs before the named Φp's); nothing for an MHSA block."""
+    return [gpsa_of(site.module)] if hasattr(site.module, 'pos_proj') else []

@@ -3,10 +3,11 @@ every ``EvaBlock`` / ``EvaBlockPostNorm``, timm's ``EvaAttention`` or ``Attentio
 separate q/v biases or unfused projections, optional q/k norms, sub-LN (``norm``) and gate.
 
 EVA-02 rotates the grid tokens' queries and keys by a rotary position embedding (RoPE, Su et al.
-2021) that the model computes for the input's grid and hands to every block. The swapped layer
-applies it as EVA does (after the q/k norms, prefix tokens untouched) when the model's own positions
-are kept, and the Φp then sees the rotated queries and keys that the softmax uses; without them the
-rotation is skipped and the absolute embedding zeroed.
+2021) that the model computes for the input's grid and hands to every block. While the model's own
+positions are kept, the first Φp of each swapped layer applies it as EVA does
+(:class:`~posattn.swap.given.GivenRotation`: after the q/k norms, prefix tokens untouched), and the
+named Φp then sees the rotated queries and keys that the softmax uses; without them the rotation
+is skipped and the absolute embedding zeroed.
 
 ``swap_attention(model, phi='own')`` converts the model's RoPE into a Φp of every layer
 (:func:`own_rope`): timm's ``RotaryEmbeddingCat`` (EVA-02, the axial ``vit_*_rope_*`` and
@@ -18,15 +19,15 @@ one slice a layer) and turns into each layer's rotation at every call, into
 from __future__ import annotations
 
 import functools
-from typing import Optional, Tuple
+from typing import List, Optional
 
 import torch
 from torch import nn
 
-from ..grid import TokenGrid
 from ..phi import PositionalModule
 from ..phi.rope import RotaryPositionEmbedding
 from .core import AttentionSite, SwapPlan, described, imported, register_family
+from .given import GivenRotation
 from .qkv_biases import SeparateBiasQkv
 from .timm_vit import NormGateOutput, refuse_attention_mask
 
@@ -39,49 +40,11 @@ class EvaAttention(NormGateOutput, SeparateBiasQkv):
     def take_over(self, old: nn.Module) -> None:
         super().take_over(old)
         self.take(old, 'q_norm', 'k_norm', 'norm', 'gate')
-        self.rotate_half = getattr(old, 'rotate_half', False)
 
     def forward(self, x: torch.Tensor, rope: Optional[torch.Tensor] = None,
                 attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False) -> torch.Tensor:
         refuse_attention_mask(attn_mask, is_causal)
-        kept = rope is not None and self.own_positions
-        rotation = functools.partial(rotate_grid_tokens, rope=rope, num_prefix_tokens=self.num_prefix_tokens,
-                                     half=self.rotate_half) if kept else None
-        return self.attention_output(x, rotation=rotation, rope=rope)
-
-
-def rotate_grid_tokens(t: torch.Tensor, rope: torch.Tensor, num_prefix_tokens: int, half: bool) -> torch.Tensor:
-    """EVA's RoPE ``rope`` (the model's sin and cos of the grid, timm's layout) on the grid tokens of
-    t (B, heads, N, d), by timm's ``apply_rot_embed_cat``; the prefix tokens stay as they are."""
-    apply_rot_embed_cat = imported('timm.layers', 'apply_rot_embed_cat')
-    prefix, tokens = t.split([num_prefix_tokens, t.shape[2] - num_prefix_tokens], dim=2)
-    return torch.cat([prefix, apply_rot_embed_cat(tokens, rope, half=half)], dim=2)
-
-
-class GivenRotation(PositionalModule):
-    """An EVA's own RoPE as a Φp: the queries and keys of the grid tokens rotated by the RoPE its model
-    computes for each call and gives every block (``rope=``, timm's sin and cos), as EVA rotates them;
-    the rotated queries and keys keep their dtype. It owns nothing: the model's ``rope`` module holds
-    (and trains) the frequencies.
-
-    Args:
-        num_prefix_tokens: tokens before the grid, which are not rotated.
-        rotate_half: timm's pairing of the channels (``rope_rotate_half``).
-    """
-
-    def __init__(self, num_prefix_tokens: int, rotate_half: bool):
-        super().__init__(hooks=('queries_keys',), call_inputs=('rope',))
-        self.num_prefix_tokens, self.rotate_half = num_prefix_tokens, rotate_half
-
-    def queries_keys(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid,
-                     rope: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        if rope is None:
-            raise ValueError('this layer converts its model\'s RoPE, which the model gives each block (rope=); '
-                             'it was called without one: run the whole model')
-        return tuple(rotate_grid_tokens(t, rope, self.num_prefix_tokens, self.rotate_half).to(t.dtype) for t in (q, k))
-
-    def extra_repr(self) -> str:
-        return f'num_prefix_tokens={self.num_prefix_tokens}, rotate_half={self.rotate_half}'
+        return self.attention_output(x, rope=rope)
 
 
 def _check_attention(i: int, attn: nn.Module, width: int, num_prefix_tokens: int) -> None:
@@ -113,9 +76,19 @@ def timm_eva(model: nn.Module) -> Optional[SwapPlan]:
         _check_attention(i, block.attn, model.embed_dim, model.num_prefix_tokens)
         sites.append(AttentionSite(block, 'attn', model.embed_dim, block.attn.num_heads, model.num_prefix_tokens))
     own_phi = functools.partial(own_rope, model) if model.rope is not None else None
+    kept_phi = functools.partial(_kept_rope, model.rope is not None)
     learned_rope = list(model.rope.parameters()) if model.rope is not None else []  # RoPE-Mixed's frequencies
     return SwapPlan('timm Eva', sites, EvaAttention, model.patch_embed.proj, [model.pos_embed], learned_rope,
-                    own_phi=own_phi)
+                    own_phi=own_phi, kept_phi=kept_phi)
+
+
+def _kept_rope(has_rope: bool, site: AttentionSite, index: int) -> List[PositionalModule]:
+    """EVA's own RoPE kept beside a named Φp: the rotation the model gives each block, applied as EVA
+    applies it (after the q/k norms, prefix tokens untouched), so the named Φp sees the rotated
+    queries and keys that the softmax uses."""
+    if not has_rope:
+        return []
+    return [GivenRotation(site.num_prefix_tokens, getattr(site.module, 'rotate_half', False))]
 
 
 # RoPE modules of timm that the rope Φp does not compute: why each is not converted.

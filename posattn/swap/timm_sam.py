@@ -4,24 +4,26 @@ windows the block cuts and pads with zeros, which take part as keys) or of the w
 blocks, ``global_attn_indexes``). The attention takes and returns (B, H, W, C) tokens, so each call's
 grid is its input's own (H, W): the Φp sees the window grid or the map's grid, at any input size.
 
-The model's own relative positions are kept beside the Φp, under timm's names: the decomposed
-relative position embeddings (``use_rel_pos``: ``rel_pos_h``, ``rel_pos_w``, a bias read by each
-query, q_i · R_h[dy] + q_i · R_w[dx], through timm's ``get_decomposed_rel_pos_bias``) or the rotary
-embedding (``use_rope``). With ``phi='own'`` the embeddings become a ``decomposed_rpb`` Φp's (the same
+The model's own relative positions stay under timm's names, and while they are kept the first
+member of each layer's Φp applies them: the decomposed relative position embeddings (``use_rel_pos``:
+``rel_pos_h``, ``rel_pos_w``, a bias read by each query, q_i · R_h[dy] + q_i · R_w[dx], through
+timm's ``get_decomposed_rel_pos_bias``; :class:`GivenDecomposedBias`) or the rotary embedding
+(``use_rope``, computed by the block's rotary module; :class:`~posattn.swap.given.GivenRotation`). With ``phi='own'`` the embeddings become a ``decomposed_rpb`` Φp's (the same
 Parameters, saved under the Φp's names, loaded from timm's), which computes SAM's term, its linear
 resampling at other input sizes included.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import List, Optional
 
 import torch
 from torch import nn
 
-from ..attention import ProbabilityMixture
 from ..grid import TokenGrid
+from ..phi import PositionalModule
 from ..phi.decomposed_rpb import DecomposedRelativePositionBias
 from .core import AttentionSite, SwapPlan, SwappedAttention, described, imported, register_family
+from .given import GivenRotation
 
 _SAM = 'timm.models.vision_transformer_sam'
 
@@ -37,31 +39,42 @@ class SamAttention(SwappedAttention):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, H, W, C), a window or the whole map -> the layer's output (B, H, W, C)."""
         batch, height, width, channels = x.shape
-        rotation = self.rotate if self.rope is not None and self.own_positions else None
-        out = self.attention_output(x.reshape(batch, height * width, channels), TokenGrid(height, width),
-                                    rotation=rotation)
+        tokens = x.reshape(batch, height * width, channels)
+        rope = self.rope.get_embed() if self.reads('rope') else None
+        tables = dict(rel_pos_h=self.rel_pos_h, rel_pos_w=self.rel_pos_w) if self.reads('rel_pos_h') else {}
+        out = self.attention_output(tokens, TokenGrid(height, width), rope=rope, **tables)
         return out.view(batch, height, width, -1)
 
     def current_grid(self, grid: TokenGrid) -> TokenGrid:
         """The grid of this call, the (H, W) of its (B, H, W, C) input."""
         return grid
 
-    def rotate(self, t: torch.Tensor) -> torch.Tensor:
-        """SAM's RoPE on the tokens of t (B, heads, N, d), for the grid its rotary module was built for."""
-        return imported('timm.layers', 'apply_rot_embed_cat')(t, self.rope.get_embed())
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: TokenGrid,
-               key_mask: Optional[torch.Tensor] = None, own_bias: Optional[torch.Tensor] = None,
-               own_mixture: Optional[ProbabilityMixture] = None, *,
-               given: Optional[Mapping[str, Any]] = None) -> torch.Tensor:
-        """:meth:`posattn.Attention.attend`, with SAM's decomposed relative position bias of the queries
-        (B, heads, N, N) as the model's own bias where it is kept."""
-        if self.rel_pos_h is not None and self.own_positions:
-            get_decomposed_rel_pos_bias = imported(_SAM, 'get_decomposed_rel_pos_bias')
-            size = (grid.height, grid.width)
-            own_bias = get_decomposed_rel_pos_bias(q.flatten(0, 1), self.rel_pos_h, self.rel_pos_w, size, size)
-            own_bias = own_bias.unflatten(0, q.shape[:2])
-        return super().attend(q, k, v, grid, key_mask, own_bias, own_mixture, given=given)
+class GivenDecomposedBias(PositionalModule):
+    """SAM's decomposed relative position bias, from the block's own embeddings given with the call
+    (``rel_pos_h``, ``rel_pos_w``, which stay the layer's, under timm's names): the bias of query i
+    and key j is q_i · R_h[dy] + q_i · R_w[dx], by timm's ``get_decomposed_rel_pos_bias``, (B, heads,
+    N, N). It owns nothing."""
+
+    def __init__(self):
+        super().__init__(hooks=('logits_bias',), call_inputs=('rel_pos_h', 'rel_pos_w'))
+
+    def logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid, rel_pos_h: Optional[torch.Tensor] = None,
+                    rel_pos_w: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if rel_pos_h is None or rel_pos_w is None:
+            raise ValueError('this layer adds its SAM block\'s decomposed relative positions, which the block gives '
+                             'with each call (rel_pos_h=, rel_pos_w=); it was called without them')
+        size = (grid.height, grid.width)
+        bias = imported(_SAM, 'get_decomposed_rel_pos_bias')(q.flatten(0, 1), rel_pos_h, rel_pos_w, size, size)
+        return bias.unflatten(0, q.shape[:2])
+
+
+def _kept_phi(site: AttentionSite, index: int) -> List[PositionalModule]:
+    """SAM's own scheme kept beside a named Φp: its RoPE, or its decomposed embeddings."""
+    attn = site.module
+    if getattr(attn, 'rope', None) is not None:
+        return [GivenRotation()]
+    return [GivenDecomposedBias()] if attn.use_rel_pos else []
 
 
 def _own_phi(site: AttentionSite, index: int) -> DecomposedRelativePositionBias:
@@ -85,4 +98,5 @@ def timm_sam(model: nn.Module) -> Optional[SwapPlan]:
     relative = [site.module.use_rel_pos for site in sites]
     tables = [p for site in sites if site.module.use_rel_pos for p in (site.module.rel_pos_h, site.module.rel_pos_w)]
     return SwapPlan('timm VisionTransformerSAM', sites, SamAttention, position_embeddings=[model.pos_embed],
-                    position_parameters=tables, own_phi=_own_phi if relative and all(relative) else None)
+                    position_parameters=tables, own_phi=_own_phi if relative and all(relative) else None,
+                    kept_phi=_kept_phi)

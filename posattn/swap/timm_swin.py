@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 from torch import nn
 
 from .core import AttentionSite, SwapPlan, described, imported, register_family
-from .window_tables import COSINE_ATTENTION, WindowTableAttention, resize_table, table_phi, tables_of
+from .window_tables import COSINE_ATTENTION, WindowTableAttention, kept_table, resize_table, table_phi, tables_of
 
 _SWIN = 'timm.models.swin_transformer'
 
@@ -57,4 +57,4 @@ def timm_swin_transformer(model: nn.Module) -> Optional[SwapPlan]:
                             f'width {attn.dim} (head_dim): posattn.Attention splits the width into its heads')
         sites.append(AttentionSite(block, 'attn', attn.dim, attn.num_heads))
     return SwapPlan('timm SwinTransformer', sites, TimmWindowAttention, position_parameters=tables_of(sites),
-                    own_phi=table_phi)
+                    own_phi=table_phi, kept_phi=kept_table)

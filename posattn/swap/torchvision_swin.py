@@ -17,7 +17,7 @@ from torch import nn
 from ..grid import TokenGrid
 from ..window import GridWindows
 from .core import AttentionSite, SwapPlan, described, imported, register_family
-from .window_tables import COSINE_ATTENTION, WindowTableAttention, table_phi, tables_of
+from .window_tables import COSINE_ATTENTION, WindowTableAttention, kept_table, table_phi, tables_of
 
 _SWIN = 'torchvision.models.swin_transformer'
 
@@ -67,4 +67,4 @@ def torchvision_swin_transformer(model: nn.Module) -> Optional[SwapPlan]:
                             'swap_attention replaces the attention of torchvision\'s SwinTransformerBlock only')
         sites.append(AttentionSite(block, 'attn', attn.qkv.in_features, attn.num_heads))
     return SwapPlan('torchvision SwinTransformer', sites, TorchvisionWindowAttention,
-                    position_parameters=tables_of(sites), own_phi=table_phi)
+                    position_parameters=tables_of(sites), own_phi=table_phi, kept_phi=kept_table)

@@ -7,9 +7,10 @@ Swin (Liu et al. 2021) attends within wh x ww windows, each its own sequence of 
 with ``B`` the learned relative position table ((2 wh - 1) * (2 ww - 1), heads), ``index`` the
 (N, N) offsets into it, and ``M`` the shift mask of a shifted block (0 within a region of the
 rolled map, -100 between regions that the roll brought into one window), which is not
-positional and is always kept. In a swapped model the Φp is evaluated once on the wh x ww window
-grid and shared by every window of every image; ``B[index]`` stays beside it unless the model's
-own positions are dropped. Zero-padded tokens at the bottom and right of the map take part as
+positional and is always kept (the layer's ``attn_mask``). In a swapped model the Φp is evaluated
+once on the wh x ww window grid and shared by every window of every image; ``B[index]`` stays
+beside it, computed by the layer from the model's table and added by the first member of its Φp
+(:class:`~posattn.swap.given.GivenBias`), unless the model's own positions are dropped. Zero-padded tokens at the bottom and right of the map take part as
 keys, as in every Swin implementation (posattn's own windowed attention, :mod:`posattn.window`,
 masks them instead).
 
@@ -27,10 +28,12 @@ from einops import rearrange, repeat
 from torch import nn
 
 from ..grid import TokenGrid
+from ..phi import PhiStack, PositionalModule
 from ..phi.rpb import RelativePositionBias
 from .core import AttentionSite, SwappedAttention
+from .given import GivenBias
 
-__all__ = ['WindowTableAttention', 'COSINE_ATTENTION', 'tables_of', 'table_phi', 'resize_table']
+__all__ = ['WindowTableAttention', 'COSINE_ATTENTION', 'tables_of', 'table_phi', 'kept_table', 'resize_table']
 
 COSINE_ATTENTION = ("Swin V2's cosine attention (normalised queries and keys times a learned logit scale, "
                     'with a position bias from a continuous MLP) is not the scaled dot product posattn computes')
@@ -49,19 +52,38 @@ def table_phi(site: AttentionSite, index: int) -> RelativePositionBias:
     return RelativePositionBias.of_table(attn.relative_position_bias_table, attn.window_size, site.num_prefix_tokens)
 
 
+def kept_table(site: AttentionSite, index: int) -> List[PositionalModule]:
+    """A plan's ``kept_phi``: the bias ``B[index]`` that the swapped layer computes from the model's
+    table (which stays the layer's, under the model's name), added as given."""
+    return [GivenBias(RELATIVE_POSITION_BIAS)]
+
+
+RELATIVE_POSITION_BIAS = 'relative_position_bias'  # the call input of a bias computed from the model's table
+
+
 def resize_table(layer: SwappedAttention, model_resize: Callable[[SwappedAttention], None]) -> None:
     """``model_resize(layer)``: the model's own resize of the layer's table to a new window (timm's
     ``set_window_size``, which replaces the table by a new Parameter, interpolated as timm interpolates,
     and rebuilds the index), also after ``phi='own'``, when the table is the Φp's: it is lent back to
     the layer under the model's name for the resize, and the table the layer then holds goes to the
     Φp, learned for the layer's new ``window_size``. So the swapped model stays the model, resized."""
-    converted = layer.relative_position_bias_table is None and getattr(layer, 'window_size', None) is not None
-    if converted:
-        layer.relative_position_bias_table = layer.phi.relative_position_bias_table
+    holder = _table_holder(layer)
+    if holder is not None:
+        layer.relative_position_bias_table = holder.relative_position_bias_table
     model_resize(layer)
-    if converted:
-        layer.phi.set_table(layer.relative_position_bias_table, layer.window_size)
+    if holder is not None:
+        holder.set_table(layer.relative_position_bias_table, layer.window_size)
         layer.register_parameter('relative_position_bias_table', None)
+
+
+def _table_holder(layer: SwappedAttention) -> Optional[RelativePositionBias]:
+    """The ``rpb`` that holds the layer's table after ``phi='own'`` (the layer's Φp, or a member of its
+    stack), or None where the layer holds its table itself."""
+    if layer.relative_position_bias_table is not None or getattr(layer, 'window_size', None) is None:
+        return None
+    members = layer.phi.members if isinstance(layer.phi, PhiStack) else [layer.phi]
+    return next(member for member in members if isinstance(member, RelativePositionBias)
+                and member.relative_position_bias_table is not None)
 
 
 class WindowTableAttention(SwappedAttention):
@@ -90,25 +112,25 @@ class WindowTableAttention(SwappedAttention):
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """windows (B * num_windows, N, C) -> the layer's output (B * num_windows, N, C)."""
-        return self.attention_output(x, own_bias=self.own_bias(x.shape[0], mask))
+        bias = self.relative_position_bias() if self.reads(RELATIVE_POSITION_BIAS) else None
+        return self.attention_output(x, attn_mask=self.shift_mask(x.shape[0], mask), relative_position_bias=bias)
 
     def relative_position_bias(self) -> torch.Tensor:
         """B[index]: (1, heads, N, N)."""
         bias = self.relative_position_bias_table[self.relative_position_index.reshape(-1)]  # (N * N, heads)
         return rearrange(bias, '(n m) h -> 1 h n m', n=self.current_grid().num_tokens)
 
-    def own_bias(self, all_windows: int, shift_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """The table's bias (when the model's own positions are kept) plus the shift mask, broadcastable
-        to (B * nW, heads, N, N); ``all_windows`` = B * nW counts the windows of all images."""
-        bias = self.relative_position_bias() if self.own_positions else None
+    @staticmethod
+    def shift_mask(all_windows: int, shift_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The shift mask (num_windows, N, N) for every window of every image, (B * nW, 1, N, N), or
+        None; ``all_windows`` = B * nW counts the windows of all images."""
         if shift_mask is None:
-            return bias
+            return None
         images, left = divmod(all_windows, shift_mask.shape[0])
         if left:
             raise ValueError(f'got {all_windows} windows for a shift mask of {shift_mask.shape[0]} windows per image: '
                              'the mask has one (N, N) entry per window of an image, the windows come image by image')
-        shift_mask = repeat(shift_mask, 'w n m -> (b w) 1 n m', b=images)
-        return shift_mask if bias is None else bias + shift_mask
+        return repeat(shift_mask, 'w n m -> (b w) 1 n m', b=images)
 
     def extra_repr(self) -> str:
         return f'{super().extra_repr()}, window_size={self.window_size}'
