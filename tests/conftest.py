@@ -119,6 +119,7 @@ def require_openmmlab():
     (``pip install .[test]`` alone): call it before the module's OpenMMLab imports."""
     if MISSING_OPENMMLAB:
         pytest.skip(OPENMMLAB_SKIP_REASON, allow_module_level=True)
+    import posattn_openmmlab  # noqa: F401  (first, as the tools do: mmpretrain imports beside transformers 5)
 
 
 # Marks a test that imports OpenMMLab inside its body, in a module whose other tests run without it:

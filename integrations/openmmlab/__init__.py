@@ -17,6 +17,9 @@ and timm's models stay as they were. It
   module here) and registers the config wrapper that swaps a backbone's attention;
 * lets posattn's own checkpoint reader (:func:`posattn.convert.read_checkpoint`) accept the types
   mmengine keeps in its checkpoints (:mod:`.checkpoint`);
+* where the installed ``transformers`` lacks names that mmpretrain's multimodal models import
+  (transformers 5 with mmpretrain 1.2), imports mmpretrain's models without those, with a warning
+  (:mod:`.mmpretrain_multimodal`), so that every other mmpretrain, mmdet and mmseg model builds;
 * registers ``PosattnRunner`` in mmengine's root ``RUNNERS`` and ``SafeCheckpointHook``,
   ``RandomStateHook`` and ``PositionCacheHook`` in its root ``HOOKS``.
 
@@ -49,7 +52,11 @@ except ImportError as error:
     raise ImportError("posattn_openmmlab needs OpenMMLab (mmengine, mmcv, mmpretrain, mmdet, mmseg): install "
                       "posattn's 'mm' extra and mmcv as README.md and docs/openmmlab.md describe") from error
 
-from .backbones import PosattnPerViT, PosattnViT
+from .mmpretrain_multimodal import import_mmpretrain_beside_transformers
+
+import_mmpretrain_beside_transformers()  # before anything imports mmpretrain's models
+
+from .backbones import PosattnPerViT, PosattnViT  # noqa: E402
 from .checkpoint import posattn_checkpoint_loading
 from .checkpoint_hook import SafeCheckpointHook
 from .datasets import CheckedImageNet, PositionalShapes

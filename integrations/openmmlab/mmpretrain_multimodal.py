@@ -1,0 +1,93 @@
+"""mmpretrain beside a ``transformers`` that its multimodal models cannot import.
+
+mmpretrain decides once, as ``mmpretrain.utils.dependency`` is imported, whether to import its
+multimodal models and datasets (BLIP, BLIP-2, OFA, RAM, ...): it checks that ``transformers`` (>=
+4.28) and ``pycocotools`` are installed, not that the names it imports from ``transformers`` exist.
+``transformers`` 5 removed some of them (``apply_chunking_to_forward``,
+``find_pruneable_heads_and_indices``, ``prune_linear_layer`` from ``transformers.modeling_utils``),
+and importing ``mmpretrain.models``, which mmengine does to build any mmpretrain model and mmdet
+to build any detector, then fails (``TypeError: NoneType takes no arguments``).
+
+:func:`import_mmpretrain_beside_transformers` reads, without running it, which names mmpretrain's
+model and dataset sources import from ``transformers``. Where one is missing, it imports
+``mmpretrain.models`` and ``mmpretrain.datasets`` once with the multimodal part left out (mmpretrain's
+own fallback: each multimodal model is a placeholder that raises ImportError when built), restores
+mmpretrain's flag, and says so in one warning naming what is missing. Everything else of mmpretrain
+is as it was. Tested with mmpretrain 1.2.0 and transformers 5.18.0 and 5.24.0.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import sys
+import warnings
+from pathlib import Path
+from typing import Iterable, List, Optional, Tuple
+
+__all__ = ['import_mmpretrain_beside_transformers', 'missing_imports']
+
+_SOURCES = ('models', 'datasets')  # the mmpretrain packages that read the flag, with their subpackages
+
+
+def missing_imports(files: Iterable[Path], package: str) -> List[Tuple[str, str, str]]:
+    """Of the absolute ``from <package>... import <name>`` statements in ``files`` (read as source,
+    not run), those whose module does not import or has no such name (nor submodule):
+    (module, name, file) each, sorted."""
+    wanted = set()
+    for path in files:
+        source = path.read_text(encoding='utf-8')
+        if package not in source:
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.split('.')[0] == package:
+                wanted.update((node.module, alias.name, path.name) for alias in node.names)
+    return sorted(entry for entry in wanted if not _importable(*entry[:2]))
+
+
+def _importable(module: str, name: str) -> bool:
+    try:
+        if hasattr(importlib.import_module(module), name):
+            return True
+        return importlib.util.find_spec(f'{module}.{name}') is not None
+    except Exception:  # a module that fails to import: mmpretrain's import of it fails too
+        return False
+
+
+def import_mmpretrain_beside_transformers() -> Optional[str]:
+    """Import mmpretrain's models and datasets without their multimodal part where the installed
+    ``transformers`` lacks names that part imports (module docstring); returns the reason, or None
+    where nothing was left out (mmpretrain absent, already imported, or its multimodal part
+    importable or already off)."""
+    if importlib.util.find_spec('mmpretrain') is None or any(
+            f'mmpretrain.{package}' in sys.modules for package in _SOURCES):
+        return None
+    dependency = importlib.import_module('mmpretrain.utils.dependency')
+    if not dependency.WITH_MULTIMODAL:
+        return None
+    root = Path(importlib.util.find_spec('mmpretrain').origin).parent
+    missing = missing_imports((path for package in _SOURCES for path in (root / package).rglob('*.py')),
+                              'transformers')
+    if not missing:
+        return None
+    dependency.WITH_MULTIMODAL = False
+    try:
+        for package in _SOURCES:
+            importlib.import_module(f'mmpretrain.{package}')
+    finally:
+        dependency.WITH_MULTIMODAL = True
+    names = sorted({f'{module}.{name}' for module, name, _ in missing})
+    reason = (f"mmpretrain's multimodal models and datasets (BLIP, BLIP-2, OFA, RAM, ...) import names that "
+              f"transformers {_version('transformers')} does not have ({', '.join(names)}): posattn imported "
+              'mmpretrain without them, and building one raises ImportError. Every other mmpretrain, mmdet and '
+              'mmseg model works')
+    warnings.warn(reason, stacklevel=2)
+    return reason
+
+
+def _version(distribution: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return '(version unknown)'
