@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml Makefile tools/build_mmcv.sh | $(BIN)/python
 	mkdir -p $(MMCV_BUILD_DIR)
 	$(BIN)/python -m pip install --quiet $(TORCH_PINS)
 	$(if $(PREBUILT_MMCV),@echo "mmcv: prebuilt $(PREBUILT_MMCV)",bash tools/build_mmcv.sh $(BIN)/python $(MMCV_BUILD_DIR))
-	$(BIN)/python -m pip install --quiet --only-binary mmcv -e '.[test,mm,analysis]' $(TORCH_PINS)
+	$(BIN)/python -m pip install --quiet --only-binary mmcv -e '.[test,mm,analysis,hf]' $(TORCH_PINS)
 	$(BIN)/python -m pip check
 	touch $@
 

@@ -85,6 +85,8 @@ def test_swap_families_table(example, swapped, reason):
         for name in ('mmpretrain.models', 'mmseg.models.backbones', 'mmdet.models.backbones'):
             importlib.import_module(name)  # the names the examples use
         namespace.update({name: importlib.import_module(name) for name in ('mmpretrain', 'mmseg', 'mmdet')})
+    if example.startswith('transformers.'):
+        namespace['transformers'] = pytest.importorskip('transformers', minversion='5')
     model = torch.nn.Sequential(eval(example, namespace))
     if not swapped:
         with pytest.raises((TypeError, ValueError)) as refusal:

@@ -90,7 +90,7 @@ def test_make_targets_set_up_dot_venv_then_run_their_command(target):
     assert result.returncode == 0, result.stderr
     steps = result.stdout.strip().splitlines()
     assert any(re.fullmatch(r'\S*python\S* -m venv \.venv', step) for step in steps), steps
-    assert any(step.startswith('.venv/bin/python -m pip install') and "-e '.[test,mm,analysis]'" in step
+    assert any(step.startswith('.venv/bin/python -m pip install') and "-e '.[test,mm,analysis,hf]'" in step
                for step in steps), steps
     assert steps[-1] == MAKE_TARGET_COMMANDS[target]
     assert (REPO / 'configs' / 'pervit_t_shapes.py').is_file()

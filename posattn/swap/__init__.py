@@ -15,10 +15,11 @@ import pkgutil
 
 from .core import (AddedParametersWarning, AttentionSite, SwapPlan, SwappedAttention, load_original_weights,
                    parameters_added_by_swap, register_family, swap_attention)
+from .hf_pretrained import from_pretrained  # a swapped Hugging Face model, saved and back
 
 for _module in pkgutil.iter_modules(__path__):
     if _module.name != 'core':
         importlib.import_module(f'{__name__}.{_module.name}')
 
 __all__ = ['swap_attention', 'parameters_added_by_swap', 'load_original_weights', 'AddedParametersWarning',
-           'register_family', 'SwapPlan', 'AttentionSite', 'SwappedAttention']
+           'from_pretrained', 'register_family', 'SwapPlan', 'AttentionSite', 'SwappedAttention']

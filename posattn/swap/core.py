@@ -10,6 +10,7 @@ that says why such a model cannot be swapped). The plan lists the attention modu
 from __future__ import annotations
 
 import functools
+import json
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -206,6 +207,16 @@ _REFUSED: Dict[str, str] = {
                                                 'convolutions between stages, with the class tokens carried aside',
     'timm.models.twins.Twins': "Twins alternates locally grouped attention with global attention whose keys "
                                'come from a strided convolution: the keys are not the query grid',
+    'transformers.models.vit_mae.modeling_vit_mae.ViTMAEModel': "ViTMAE's encoder attends over a random subset "
+                                                                'of the patches, in shuffled order (whatever its '
+                                                                'mask ratio): its tokens are not the patch grid',
+    'transformers.models.swinv2.modeling_swinv2.Swinv2Model': "Swin V2's cosine attention (normalised queries and "
+                                                              'keys times a learned logit scale, with a position '
+                                                              'bias from a continuous MLP) is not the scaled dot '
+                                                              'product posattn computes',
+    'transformers.models.data2vec.modeling_data2vec_vision.Data2VecVisionModel': (
+        "transformers' Data2VecVision keeps the attention layout of transformers 4 (query / key / value "
+        "under attention.attention), which swap_attention does not read"),
 }
 _OPENMMLAB = ('mmpretrain.', 'mmseg.', 'mmdet.', 'mmcv.')
 
@@ -237,7 +248,8 @@ def _refusal(model: nn.Module) -> str:
                 "mmpretrain's and mmseg's VisionTransformer and mmdet's SwinTransformer")
     return (f'no supported attention in {described(model)}; swap_attention knows timm\'s VisionTransformer, '
             "Eva, Beit, VisionTransformerRelPos, VisionTransformerSAM, ConVit and SwinTransformer, torchvision's "
-            'VisionTransformer and SwinTransformer, and (with posattn_openmmlab imported) the OpenMMLab ViTs and Swin')
+            "VisionTransformer and SwinTransformer, transformers' ViT, DeiT, DINOv2, BEiT, Swin and CLIP / SigLIP "
+            'vision models, and (with posattn_openmmlab imported) the OpenMMLab ViTs and Swin')
 
 
 def swap_attention(model: nn.Module, phi: PhiSpec = 'peripheral', *, own_positions: bool = True,
@@ -326,12 +338,30 @@ def swap_attention(model: nn.Module, phi: PhiSpec = 'peripheral', *, own_positio
             replacement.attach(target.patch_projection, [site.parent for site in target.sites])
     if not own_positions:
         _drop_own_positions(plans, relative=not converting)
+    _record_swap(model, phi, phi_cfg, own_positions)
     layers = [layer for _, layer in replacements if isinstance(layer, SwappedAttention)]
     added = [param for param in _added_parameters(layers) if param.requires_grad]
     if added:
         warnings.warn(_added_parameters_message(model, ' + '.join(names), added, len(layers)), AddedParametersWarning,
                       stacklevel=2)
     return model
+
+
+SWAP_RECORD = 'posattn_swap'  # the attribute of a transformers config that records the swap
+
+
+def _record_swap(model: nn.Module, phi: PhiSpec, phi_cfg: Mapping[str, Any], own_positions: bool) -> None:
+    """A Hugging Face model's config (the one ``save_pretrained`` writes) records the swap, so that
+    :func:`posattn.swap.hf_pretrained.from_pretrained` swaps the same Φp in again."""
+    config = getattr(model, 'config', None)
+    if hasattr(config, 'to_json_string'):  # a transformers PretrainedConfig
+        options = dict(phi_cfg)
+        try:
+            json.dumps(options)
+        except TypeError:  # the config must stay writable: options JSON cannot hold are not recorded
+            options = None
+        phi = phi if isinstance(phi, str) else list(phi)
+        setattr(config, SWAP_RECORD, dict(phi=phi, phi_cfg=options, own_positions=own_positions))
 
 
 class AddedParametersWarning(UserWarning):
