@@ -32,6 +32,8 @@ MODELS = {  # name: (build, the number of prefix tokens)
     'swin': (lambda: transformers.SwinForImageClassification(transformers.SwinConfig(
         image_size=32, patch_size=2, embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4, num_labels=3,
         **NO_DROP_PATH)), 0),
+    'data2vec_vision': (lambda: transformers.Data2VecVisionForImageClassification(transformers.Data2VecVisionConfig(
+        **SMALL, **NO_DROP_PATH, use_relative_position_bias=True, num_labels=3)), 1),
     'beit_shared_table': (lambda: transformers.BeitModel(transformers.BeitConfig(
         **SMALL, **NO_DROP_PATH, use_relative_position_bias=False, use_shared_relative_position_bias=True)), 1),
 }
@@ -124,8 +126,7 @@ def test_output_attentions_and_masks_are_refused():
     (lambda: transformers.ViTMAEModel(transformers.ViTMAEConfig(**SMALL)), 'random subset'),
     (lambda: transformers.Swinv2Model(transformers.Swinv2Config(image_size=32, embed_dim=16, depths=[2],
                                                                  num_heads=[2], window_size=4)), 'cosine attention'),
-    (lambda: transformers.Data2VecVisionModel(transformers.Data2VecVisionConfig(**SMALL)), 'layout of transformers 4'),
-], ids=['vit_mae', 'swinv2', 'data2vec_vision'])
+], ids=['vit_mae', 'swinv2'])
 def test_refused_with_the_reason(build, reason):
     model = build()
     with pytest.raises(TypeError, match=reason):
@@ -160,7 +161,7 @@ def test_a_folder_of_an_unswapped_model_is_named(tmp_path):
         from_pretrained(transformers.ViTForImageClassification, tmp_path)
 
 
-@pytest.mark.parametrize('name', ['beit', 'beit_shared_table'])
+@pytest.mark.parametrize('name', ['beit', 'beit_shared_table', 'data2vec_vision'])
 def test_beits_relative_bias_is_the_first_phi_or_dropped(name):
     """Kept: the bias the model computes from its table(s) is added by the first member of each
     layer's Φp; dropped (own_positions=False): the Φp alone, the tables frozen, and the outputs those
@@ -246,3 +247,41 @@ def test_options_json_cannot_hold_leave_the_config_writable(tmp_path):
     model.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match='JSON cannot hold'):
         from_pretrained(transformers.ViTForImageClassification, tmp_path)
+
+
+@pytest.mark.parametrize('name', ['beit', 'beit_shared_table', 'data2vec_vision'])
+def test_beit_own_is_the_model(name):
+    """phi='own' in float64 at the tables' grid: each layer's table in an rpb (one copy, under the
+    Φp's name, the model's name renamed on load), or the shared bias as given."""
+    from posattn.phi.rpb import RelativePositionBias
+    from posattn.swap.given import GivenBias
+    model = randomised(MODELS[name][0]().double())
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith('relative_position_bias_table'):
+                param.mul_(40)
+        expected = first_tensor(model(images()))
+        converted = swap_attention(copy.deepcopy(model), phi='own')
+        torch.testing.assert_close(first_tensor(converted(images())), expected, rtol=0, atol=1e-10)
+    per_layer = name != 'beit_shared_table'
+    assert all(isinstance(layer.phi, RelativePositionBias if per_layer else GivenBias) for layer in layers(converted))
+    tables = [key for key in converted.state_dict() if key.endswith('relative_position_bias_table')]
+    assert len(tables) == (2 if per_layer else 1)
+    assert all('.attention.phi.' in key for key in tables) == per_layer
+    converted.load_state_dict(model.state_dict())  # transformers' names load
+    with torch.no_grad():
+        torch.testing.assert_close(first_tensor(converted(images())), expected, rtol=0, atol=1e-10)
+
+
+@pytest.mark.slow
+def test_the_sweep_tool_sorts_models_into_exact_and_refused(tmp_path):
+    import json
+    import sys
+    from conftest import run_tool
+    out = run_tool(sys.executable, 'tools/sweep_transformers.py', '--out', str(tmp_path), '--only', 'ViTModel',
+                   'ResNetModel', 'ViTMAEModel', timeout=600)
+    rows = json.loads((tmp_path / 'sweep.json').read_text())['rows']
+    assert {name: row['status'] for name, row in rows.items()} == dict(ViTModel='exact', ResNetModel='refused',
+                                                                       ViTMAEModel='refused')
+    assert 'random subset' in rows['ViTMAEModel']['detail'] and '1 exact, 2 refused, 0 WRONG, 0 skipped' in out
+    assert '| `ViTModel` | exact |' in (tmp_path / 'sweep.md').read_text()

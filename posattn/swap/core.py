@@ -81,6 +81,10 @@ class SwapPlan:
             :class:`~posattn.phi.PhiStack`: most hold nothing and apply what the model or the
             adapter computes from its own parameters and gives with the call
             (:mod:`posattn.swap.given`). An empty list where the site has no such scheme.
+        installed: ``installed(site, layer)``, called for every site once all the layers are built and
+            in place, for a family whose own scheme lives beside the attention (transformers' BEiT:
+            the table in the layer around it, handed to the layer's Φp by ``phi='own'``); None for
+            none.
     """
     family: str
     sites: List[AttentionSite]
@@ -90,6 +94,7 @@ class SwapPlan:
     position_parameters: Sequence[Optional[nn.Parameter]] = field(default_factory=list)
     own_phi: Optional[Callable[[AttentionSite, int], PositionalModule]] = None
     kept_phi: Callable[[AttentionSite, int], List[PositionalModule]] = lambda site, index: []  # none kept
+    installed: Optional[Callable[[AttentionSite, 'SwappedAttention'], None]] = None
 
 
 def packs_self_attention(mha: nn.MultiheadAttention) -> bool:
@@ -214,9 +219,6 @@ _REFUSED: Dict[str, str] = {
                                                               'keys times a learned logit scale, with a position '
                                                               'bias from a continuous MLP) is not the scaled dot '
                                                               'product posattn computes',
-    'transformers.models.data2vec.modeling_data2vec_vision.Data2VecVisionModel': (
-        "transformers' Data2VecVision keeps the attention layout of transformers 4 (query / key / value "
-        "under attention.attention), which swap_attention does not read"),
 }
 _OPENMMLAB = ('mmpretrain.', 'mmseg.', 'mmdet.', 'mmcv.')
 
@@ -248,8 +250,8 @@ def _refusal(model: nn.Module) -> str:
                 "mmpretrain's and mmseg's VisionTransformer and mmdet's SwinTransformer")
     return (f'no supported attention in {described(model)}; swap_attention knows timm\'s VisionTransformer, '
             "Eva, Beit, VisionTransformerRelPos, VisionTransformerSAM, ConVit and SwinTransformer, torchvision's "
-            "VisionTransformer and SwinTransformer, transformers' ViT, DeiT, DINOv2, BEiT, Swin and CLIP / SigLIP "
-            'vision models, and (with posattn_openmmlab imported) the OpenMMLab ViTs and Swin')
+            "VisionTransformer and SwinTransformer, transformers' ViT, DeiT, DINOv2, BEiT, Data2VecVision, Swin and "
+            'CLIP / SigLIP vision models, and (with posattn_openmmlab imported) the OpenMMLab ViTs and Swin')
 
 
 def swap_attention(model: nn.Module, phi: PhiSpec = 'peripheral', *, own_positions: bool = True,
@@ -306,6 +308,7 @@ def swap_attention(model: nn.Module, phi: PhiSpec = 'peripheral', *, own_positio
         _check_own(plans, [config for name, config in zip(names, configs) if name == OWN])
     held_before = {id(param) for param in model.parameters()}
     replacements = []  # all built before the model changes, so a bad option leaves it as it was
+    installs: List[Callable[[], None]] = []
     for plan in plans:
         tracker = GridTracker() if plan.patch_projection is not None else None
         for index, site in enumerate(plan.sites):
@@ -329,6 +332,8 @@ def swap_attention(model: nn.Module, phi: PhiSpec = 'peripheral', *, own_positio
             layer.added_parameter_names = tuple(name for name, param in layer.named_parameters()
                                                 if id(param) not in held_before)
             replacements.append((site, layer))
+            if plan.installed is not None:
+                installs.append(functools.partial(plan.installed, site, layer))
         if tracker is not None:
             replacements.append((plan, tracker))
     for target, replacement in replacements:
@@ -336,6 +341,8 @@ def swap_attention(model: nn.Module, phi: PhiSpec = 'peripheral', *, own_positio
             setattr(target.parent, target.name, replacement)
         else:
             replacement.attach(target.patch_projection, [site.parent for site in target.sites])
+    for install in installs:
+        install()
     if not own_positions:
         _drop_own_positions(plans, relative=not converting)
     _record_swap(model, phi, phi_cfg, own_positions)

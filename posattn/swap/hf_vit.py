@@ -1,5 +1,6 @@
 """Hugging Face ``transformers`` (>= 5) vision transformers: ViT, DeiT (class and distillation
-tokens), DINOv2 (with and without registers), BEiT, Swin, and the vision towers of CLIP and SigLIP.
+tokens), DINOv2 (with and without registers), BEiT and Data2VecVision, Swin, and the vision towers of
+CLIP and SigLIP.
 
 Each layer's attention holds separate ``q_proj``, ``k_proj``, ``v_proj`` and an output projection
 (``o_proj``; CLIP's and SigLIP's ``out_proj``), and runs the attention function that the model's
@@ -13,7 +14,9 @@ what it computes and is refused; ``posattn.analysis.collect_attention_maps`` rea
 BEiT's layers (or, with one shared table, its model) compute the relative position bias from their
 tables and hand it to the attention as its ``attention_mask``. While the model's own positions are
 kept, the first member of each swapped layer's Φp adds it (:class:`~posattn.swap.given.GivenBias`);
-without them it is not applied and the tables are frozen.
+without them it is not applied and the tables are frozen. ``phi='own'`` hands each layer's table to
+an ``rpb`` (exact at the grid the tables were learned for; at another, ``rpb`` resamples its table
+as posattn does, not as transformers interpolates BEiT's bias).
 
 Swin attends within windows, each layer with its own relative position table (Swin's layout, kept
 under transformers' names) and, in shifted layers, the shift mask given as ``attention_mask``. The
@@ -34,7 +37,7 @@ from .core import AttentionSite, SwapPlan, SwappedAttention, _rename_keys, descr
 from .given import GivenBias
 from .window_tables import RELATIVE_POSITION_BIAS, WindowTableAttention
 
-__all__ = ['HfAttention', 'HfBeitAttention', 'HfSwinAttention']
+__all__ = ['HfAttention', 'HfBeitAttention', 'HfData2VecAttention', 'HfSwinAttention']
 
 
 class HfAttention(SwappedAttention):
@@ -113,6 +116,45 @@ class HfSwinAttention(HfAttention):
         return self.attention_output(hidden_states, attn_mask=shift_mask, relative_position_bias=bias), None
 
 
+class HfData2VecAttention(HfAttention):
+    """Data2VecVision's attention in the layout transformers 4 had: ``attention`` (``query``, ``key``,
+    ``value``, and the layer's own ``relative_position_bias`` table) and ``output`` (``dense`` and its
+    dropout), kept under those names; called as ``attn(hidden_states, output_attentions=False,
+    relative_position_bias=None, interpolate_pos_encoding=False, resolution=None)`` with the model's
+    shared bias, if any, as ``relative_position_bias``; returns ``(output,)``."""
+
+    output_name = 'output.dense'
+
+    def take_over(self, old: nn.Module) -> None:
+        self.qkv = None
+        self.proj = None  # output.dense serves (:attr:`proj`)
+        self.take(old, 'attention', 'output')
+        self.attn_drop.p, self.proj_drop.p = old.attention.dropout.p, old.output.dropout.p
+        self.config = old.attention.config
+        own = getattr(old.attention, 'relative_position_bias', None)
+        if own is not None and any(param is own.relative_position_bias_table for param in self.phi.parameters()):
+            self.attention.relative_position_bias = None  # phi='own': the Φp holds the table
+            self.register_load_state_dict_pre_hook(functools.partial(_rename_keys, renames={
+                'attention.relative_position_bias.relative_position_bias_table': 'phi.relative_position_bias_table'}))
+
+    def forward(self, hidden_states: torch.Tensor, output_attentions: bool = False,
+                relative_position_bias: Optional[torch.Tensor] = None, interpolate_pos_encoding: bool = False,
+                resolution: Optional[Tuple[int, int]] = None) -> Tuple[torch.Tensor]:
+        self.refuse_output_attentions(dict(output_attentions=output_attentions))
+        bias = None
+        if self.reads(RELATIVE_POSITION_BIAS):  # the layer's table's bias, computed as the model does, + the shared
+            own = getattr(self.attention, 'relative_position_bias', None)
+            if own is not None:
+                window = (resolution[0] // self.config.patch_size, resolution[1] // self.config.patch_size)
+                bias = own(window, interpolate_pos_encoding, dim_size=hidden_states.shape[1])
+            if relative_position_bias is not None:
+                bias = relative_position_bias if bias is None else bias + relative_position_bias
+        return (self.attention_output(hidden_states, relative_position_bias=bias),)
+
+    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.attention.query(x), self.attention.key(x), self.attention.value(x)], dim=-1)
+
+
 def _swin_own_phi(site: AttentionSite, index: int) -> RelativePositionBias:
     """``phi='own'``: the ``rpb`` holding the layer's table (the same Parameter) for its window."""
     own = site.module.relative_position_bias
@@ -127,7 +169,9 @@ class _Model(NamedTuple):
     position_embeddings: Callable[[nn.Module], List[nn.Parameter]]
     adapter: type = HfAttention
     relative_tables: Callable[[nn.Module], List[nn.Parameter]] = lambda model: []
-    own_phi: Optional[Callable[[AttentionSite, int], PositionalModule]] = None
+    # for phi='own': given the model, the Φp of each site, or None where the model has no relative scheme
+    own_phi: Callable[[nn.Module], Optional[Callable[[AttentionSite, int], PositionalModule]]] = lambda model: None
+    installed: Optional[Callable[[AttentionSite, SwappedAttention], None]] = None
     windowed: bool = False  # each layer knows its grid (its window): no patch grid to track
 
 
@@ -154,6 +198,48 @@ def _tables(holder: str) -> Callable[[nn.Module], List[nn.Parameter]]:
     return tables
 
 
+def _beit_own_phi(model: nn.Module) -> Optional[Callable[[AttentionSite, int], PositionalModule]]:
+    """``phi='own'`` for a BEiT: each layer's table (in the layer around the attention)."""
+    return _table_own_phi(model.shared_position_bias is not None, _tables('BeitRelativePositionBias')(model),
+                          lambda site: site.parent.relative_position_bias)
+
+
+def _data2vec_own_phi(model: nn.Module) -> Optional[Callable[[AttentionSite, int], PositionalModule]]:
+    """``phi='own'`` for a Data2VecVision: each layer's table (in its self-attention)."""
+    return _table_own_phi(bool(model.encoder.has_relative_position_bias), _tables('Data2VecVisionRelativePositionBias')(model),
+                          lambda site: getattr(site.module.attention, 'relative_position_bias', None))
+
+
+def _table_own_phi(shared: bool, tables: List[nn.Parameter], own_of: Callable[[AttentionSite], Optional[nn.Module]]
+                   ) -> Optional[Callable[[AttentionSite, int], PositionalModule]]:
+    """BEiT's scheme for ``phi='own'``: each layer's table (``own_of(site)``) as an ``rpb`` (the same
+    Parameter, BEiT's three class-token rows included), or, with the model's one ``shared`` table, the
+    bias the model gives each layer (:class:`~posattn.swap.given.GivenBias`); None without a table."""
+    if not tables:
+        return None
+
+    def own_phi(site: AttentionSite, index: int) -> PositionalModule:
+        own = own_of(site)
+        if own is None:
+            return GivenBias(RELATIVE_POSITION_BIAS)
+        if shared:
+            raise TypeError(f"phi='own' converts BEiT's relative position tables into one rpb per layer, but layer "
+                            f'{index} adds its own table to the shared one: pick a Φp by name (\'none\' keeps both)')
+        return RelativePositionBias.of_table(own.relative_position_bias_table, tuple(own.window_size), 1)
+    return own_phi
+
+
+def _hand_beit_table_to_phi(site: AttentionSite, layer: SwappedAttention) -> None:
+    """After ``phi='own'``, the BEiT layer around the attention no longer adds its table's bias: the
+    layer's ``rpb`` holds the table, saved once under the Φp's name; the model's name loads onto it."""
+    own = site.parent.relative_position_bias
+    if own is None or not any(param is own.relative_position_bias_table for param in layer.phi.parameters()):
+        return
+    site.parent.relative_position_bias = None
+    site.parent.register_load_state_dict_pre_hook(functools.partial(_rename_keys, renames={
+        'relative_position_bias.relative_position_bias_table': f'{site.name}.phi.relative_position_bias_table'}))
+
+
 # transformers' model class name: what the family reads of it
 _MODELS: Dict[str, _Model] = {
     'ViTModel': _Model('ViTAttention', _projection, lambda m: 1, _table),
@@ -164,9 +250,11 @@ _MODELS: Dict[str, _Model] = {
     'CLIPVisionModel': _Model('CLIPAttention', _embedding, lambda m: 1, _lookup),
     'SiglipVisionModel': _Model('SiglipAttention', _embedding, lambda m: 0, _lookup),
     'BeitModel': _Model('BeitAttention', _projection, lambda m: 1, _table, HfBeitAttention,
-                        _tables('BeitRelativePositionBias')),
+                        _tables('BeitRelativePositionBias'), _beit_own_phi, _hand_beit_table_to_phi),
+    'Data2VecVisionModel': _Model('Data2VecVisionAttention', _projection, lambda m: 1, _table, HfData2VecAttention,
+                                  _tables('Data2VecVisionRelativePositionBias'), _data2vec_own_phi),
     'SwinModel': _Model('SwinAttention', _projection, lambda m: 0, _table, HfSwinAttention,
-                        _tables('SwinRelativePositionBias'), _swin_own_phi, windowed=True),
+                        _tables('SwinRelativePositionBias'), lambda model: _swin_own_phi, windowed=True),
 }
 
 
@@ -186,10 +274,14 @@ def hf_vision_transformer(model: nn.Module) -> Optional[SwapPlan]:
     kept = (lambda site, index: [GivenBias(RELATIVE_POSITION_BIAS)]) if tables else (lambda site, index: [])
     projection = None if found.windowed else found.patch_projection(model)
     return SwapPlan(f'transformers {type(model).__name__}', sites, found.adapter, projection,
-                    found.position_embeddings(model), tables, own_phi=found.own_phi, kept_phi=kept)
+                    found.position_embeddings(model), tables, own_phi=found.own_phi(model), kept_phi=kept,
+                    installed=found.installed)
 
 
 def _site(index: int, parent: nn.Module, name: str, attn: nn.Module, num_prefix_tokens: int) -> AttentionSite:
+    if hasattr(attn, 'attention') and hasattr(attn.attention, 'query'):  # Data2VecVision: transformers 4's layout
+        return AttentionSite(parent, name, attn.attention.query.in_features, attn.attention.num_attention_heads,
+                             num_prefix_tokens)
     if not hasattr(attn, 'q_proj'):
         raise TypeError(f'layer {index} holds {described(attn)} without q_proj / k_proj / v_proj: the layout of '
                         'transformers < 5, which swap_attention does not read; install transformers >= 5')
