@@ -285,3 +285,26 @@ def test_the_sweep_tool_sorts_models_into_exact_and_refused(tmp_path):
                                                                        ViTMAEModel='refused')
     assert 'random subset' in rows['ViTMAEModel']['detail'] and '1 exact, 2 refused, 0 WRONG, 0 skipped' in out
     assert '| `ViTModel` | exact |' in (tmp_path / 'sweep.md').read_text()
+
+
+def test_plain_weights_load_as_timms_do():
+    """A strict load of the unswapped model's weights fails for want of the Φp keys;
+    load_original_weights loads them, every Φp keeping its initialisation."""
+    plain = randomised(MODELS['vit'][0]())
+    swapped = swap_attention(MODELS['vit'][0](), phi='peripheral')
+    with pytest.raises(RuntimeError, match='Missing key'):
+        swapped.load_state_dict(plain.state_dict())
+    with pytest.warns(UserWarning, match='no Φp keys'):
+        fresh = posattn.load_original_weights(swapped, plain.state_dict())
+    assert len(fresh) == 14 and all('.attention.phi.' in key for key in fresh)
+    assert all(torch.equal(swapped.state_dict()[key], value) for key, value in plain.state_dict().items())
+
+
+@pytest.mark.parametrize('name', ['beit', 'data2vec_vision', 'swin'])
+def test_own_in_a_list_keeps_the_table_once_and_loads_the_models_names(name):
+    """phi=['own', 'alibi']: the table is member 0's (phi.0.*), transformers' name loads onto it."""
+    model = randomised(MODELS[name][0]().double())
+    stacked = swap_attention(copy.deepcopy(model), phi=['own', 'alibi'])
+    tables = [key for key in stacked.state_dict() if key.endswith('relative_position_bias_table')]
+    assert tables and all('.phi.0.relative_position_bias_table' in key for key in tables)
+    stacked.load_state_dict(model.state_dict())

@@ -1,7 +1,7 @@
 """Sweep swap_attention over every vision model class of the installed Hugging Face transformers.
 
 For each base model class whose input is ``pixel_values`` (transformers' ``MODEL_MAPPING_NAMES``),
-in a process of its own: build it from its default config, made small where the config has the
+in a child process (a new one after a crash), each within --timeout seconds: build it from its default config, made small where the config has the
 usual size fields (a few layers, a narrow width, small images), with random weights, in float64;
 then ``swap_attention(model, phi='none')`` and compare the outputs with the model's own:
 
@@ -21,21 +21,19 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, Iterator, List, Tuple
 
 CHILD = r'''
-import copy, json, sys, warnings
+import copy, json, signal, sys, warnings
 warnings.simplefilter('ignore')
 import torch
 import transformers
 import posattn
 
-name = sys.argv[1]
-cls = getattr(transformers, name)
 SMALL = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128, image_size=64)
 
 
-def small_config():
+def small_config(cls):
     config = cls.config_class()
     for key, value in SMALL.items():
         if isinstance(getattr(config, key, None), int):
@@ -46,7 +44,14 @@ def small_config():
     return config
 
 
-def built(config):
+LARGEST = 60_000_000  # parameters: a larger model (a language model inside) is not built here
+
+
+def built(cls, config):
+    with torch.device('meta'):
+        count = sum(p.numel() for p in cls(config).parameters())
+    if count > LARGEST:
+        raise MemoryError(f'{count / 1e6:.0f}M parameters with its smallest config here')
     torch.manual_seed(0)
     model = cls(config).double().eval()
     size = getattr(config, 'image_size', 224)
@@ -57,19 +62,6 @@ def built(config):
         return model, x, model(x)
 
 
-try:  # small where the config allows it, else as the default config has it
-    model, x, expected = built(small_config())
-except Exception:
-    try:
-        model, x, expected = built(cls.config_class())
-    except Exception as error:
-        print(json.dumps(dict(status='skipped', detail=f'{type(error).__name__}: {str(error).splitlines()[0][:160]}')))
-        sys.exit(0)
-try:
-    swapped = posattn.swap_attention(copy.deepcopy(model), phi='none')
-except (TypeError, ValueError) as error:
-    print(json.dumps(dict(status='refused', detail=str(error).split('; swap_attention knows')[0][:300])))
-    sys.exit(0)
 def tensors(output):
     if isinstance(output, torch.Tensor):
         return [output]
@@ -78,15 +70,48 @@ def tensors(output):
     if isinstance(output, (list, tuple)):
         return [t for item in output for t in tensors(item)]
     return []
-try:
-    with torch.no_grad():
-        got = swapped(x)
+
+
+def sweep(cls):
+    if any(hasattr(cls.config_class(), key) for key in ('text_config', 'language_config', 'qformer_config')):
+        return dict(status='skipped', detail='takes text as well: not a vision model alone')
+    try:  # small where the config allows it, else as the default config has it
+        model, x, expected = built(cls, small_config(cls))
+    except Exception:
+        try:
+            model, x, expected = built(cls, cls.config_class())
+        except Exception as error:
+            return dict(status='skipped', detail=f'{type(error).__name__}: {str(error).splitlines()[0][:160]}')
+    try:
+        swapped = posattn.swap_attention(copy.deepcopy(model), phi='none')
+    except (TypeError, ValueError) as error:
+        return dict(status='refused', detail=str(error).split('; swap_attention knows')[0][:300])
+    try:
+        with torch.no_grad():
+            got = swapped(x)
+    except Exception as error:
+        return dict(status='WRONG', detail=f'swapped, then {type(error).__name__}: {str(error).splitlines()[0][:200]}')
     difference = max(((g - e).abs().max().item() for g, e in zip(tensors(got), tensors(expected))), default=0.0)
-    status = 'exact' if difference <= 1e-10 and len(tensors(got)) == len(tensors(expected)) else 'WRONG'
+    same = difference <= 1e-10 and len(tensors(got)) == len(tensors(expected))
     layers = sum(isinstance(m, posattn.swap.SwappedAttention) for m in swapped.modules())
-    print(json.dumps(dict(status=status, detail=f'{layers} layers swapped, max |difference| {difference:.1e}')))
-except Exception as error:
-    print(json.dumps(dict(status='WRONG', detail=f'swapped, then {type(error).__name__}: {str(error).splitlines()[0][:200]}')))
+    return dict(status='exact' if same else 'WRONG', detail=f'{layers} layers swapped, max |difference| {difference:.1e}')
+
+
+def timed_out(signum, frame):
+    raise TimeoutError
+
+
+signal.signal(signal.SIGALRM, timed_out)
+timeout = int(sys.argv[1])
+for name in sys.argv[2:]:
+    signal.alarm(timeout)
+    try:
+        row = sweep(getattr(transformers, name))
+    except TimeoutError:
+        row = dict(status='skipped', detail=f'not done in {timeout} s')
+    finally:
+        signal.alarm(0)
+    print(json.dumps(dict(name=name, **row)), flush=True)
 '''
 
 
@@ -106,15 +131,23 @@ def vision_model_classes() -> List[str]:
     return names
 
 
-def sweep_one(name: str, timeout: float) -> Dict[str, str]:
-    try:
-        result = subprocess.run([sys.executable, '-c', CHILD, name], capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return dict(status='skipped', detail=f'not done in {timeout:.0f} s')
-    lines = [line for line in result.stdout.splitlines() if line.startswith('{')]
-    if not lines:
-        return dict(status='skipped', detail=f'exit {result.returncode}: {result.stderr.strip().splitlines()[-1:]}')
-    return json.loads(lines[-1])
+def sweep(names: List[str], timeout: int) -> Iterator[Tuple[str, Dict[str, str]]]:
+    """Each of ``names`` with its row, swept in one child process as long as it lives; a name the
+    child died on is skipped with its exit, and the child starts again after it."""
+    left = list(names)
+    while left:
+        child = subprocess.Popen([sys.executable, '-c', CHILD, str(timeout), *left], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        for line in child.stdout:
+            if line.startswith('{'):
+                row = json.loads(line)
+                name = row.pop('name')
+                left.remove(name)
+                yield name, row
+        child.wait()
+        if left:  # the child died on left[0]
+            error = child.stderr.read().strip().splitlines()[-1:] or [f'exit {child.returncode}']
+            yield left.pop(0), dict(status='skipped', detail=f'the process ended: {error[0][:160]}')
 
 
 def main() -> int:
@@ -126,9 +159,9 @@ def main() -> int:
     import transformers
     names = args.only or vision_model_classes()
     rows = {}
-    for index, name in enumerate(names, 1):
-        rows[name] = sweep_one(name, args.timeout)
-        print(f'[{index}/{len(names)}] {name}: {rows[name]["status"]} ({rows[name]["detail"]})', flush=True)
+    for name, row in sweep(names, int(args.timeout)):
+        rows[name] = row
+        print(f'[{len(rows)}/{len(names)}] {name}: {row["status"]} ({row["detail"]})', flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     table = [f'transformers {transformers.__version__}, {len(rows)} vision model classes', '',
              '| model | result | detail |', '|---|---|---|']

@@ -95,14 +95,13 @@ class HfSwinAttention(HfAttention):
     def take_over(self, old: nn.Module) -> None:
         super().take_over(old)
         self.window_size = tuple(old.relative_position_bias.window_size)
-        table = old.relative_position_bias.relative_position_bias_table
-        if any(param is table for param in self.phi.parameters()):  # phi='own': the Φp holds the table
-            self.relative_position_bias = None
-            holder = next(name for name, param in self.phi.named_parameters() if param is table)
-            self.register_load_state_dict_pre_hook(functools.partial(
-                _rename_keys, renames={'relative_position_bias.relative_position_bias_table': f'phi.{holder}'}))
-        else:
+        held = _phi_name(self, old.relative_position_bias.relative_position_bias_table)
+        if held is None:
             self.take(old, 'relative_position_bias')
+        else:  # phi='own': the Φp holds the table
+            self.relative_position_bias = None
+            self.register_load_state_dict_pre_hook(functools.partial(
+                _rename_keys, renames={'relative_position_bias.relative_position_bias_table': held}))
 
     def current_grid(self, *tensors: Optional[torch.Tensor]) -> TokenGrid:
         """Every window is one wh x ww grid."""
@@ -132,10 +131,11 @@ class HfData2VecAttention(HfAttention):
         self.attn_drop.p, self.proj_drop.p = old.attention.dropout.p, old.output.dropout.p
         self.config = old.attention.config
         own = getattr(old.attention, 'relative_position_bias', None)
-        if own is not None and any(param is own.relative_position_bias_table for param in self.phi.parameters()):
-            self.attention.relative_position_bias = None  # phi='own': the Φp holds the table
+        held = None if own is None else _phi_name(self, own.relative_position_bias_table)
+        if held is not None:  # phi='own': the Φp holds the table
+            self.attention.relative_position_bias = None
             self.register_load_state_dict_pre_hook(functools.partial(_rename_keys, renames={
-                'attention.relative_position_bias.relative_position_bias_table': 'phi.relative_position_bias_table'}))
+                'attention.relative_position_bias.relative_position_bias_table': held}))
 
     def forward(self, hidden_states: torch.Tensor, output_attentions: bool = False,
                 relative_position_bias: Optional[torch.Tensor] = None, interpolate_pos_encoding: bool = False,
@@ -153,6 +153,12 @@ class HfData2VecAttention(HfAttention):
 
     def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.attention.query(x), self.attention.key(x), self.attention.value(x)], dim=-1)
+
+
+def _phi_name(layer: SwappedAttention, table: nn.Parameter) -> Optional[str]:
+    """The name in ``layer`` under which its Φp holds ``table`` (``phi.relative_position_bias_table``,
+    ``phi.0....`` in a stack), or None where it does not hold it."""
+    return next((f'phi.{name}' for name, param in layer.phi.named_parameters() if param is table), None)
 
 
 def _swin_own_phi(site: AttentionSite, index: int) -> RelativePositionBias:
@@ -233,11 +239,12 @@ def _hand_beit_table_to_phi(site: AttentionSite, layer: SwappedAttention) -> Non
     """After ``phi='own'``, the BEiT layer around the attention no longer adds its table's bias: the
     layer's ``rpb`` holds the table, saved once under the Φp's name; the model's name loads onto it."""
     own = site.parent.relative_position_bias
-    if own is None or not any(param is own.relative_position_bias_table for param in layer.phi.parameters()):
+    held = None if own is None else _phi_name(layer, own.relative_position_bias_table)
+    if held is None:
         return
     site.parent.relative_position_bias = None
     site.parent.register_load_state_dict_pre_hook(functools.partial(_rename_keys, renames={
-        'relative_position_bias.relative_position_bias_table': f'{site.name}.phi.relative_position_bias_table'}))
+        'relative_position_bias.relative_position_bias_table': f'{site.name}.{held}'}))
 
 
 # transformers' model class name: what the family reads of it
