@@ -142,6 +142,15 @@ def build_runner(cfg: Config) -> PosattnRunner:
     return runner
 
 
+def leave_process_group() -> None:
+    """End a torchrun process's part in the run: every rank waits for the others (rank 0 prints its
+    summary first), then the process group is destroyed before the interpreter exits. Left to the
+    interpreter's exit, gloo's threads can abort the process (SIGABRT) after its work is done."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 def logged_scalars(work_dir) -> List[dict]:
     """The rows mmengine logged in ``work_dir`` (``<timestamp>/vis_data/scalars.json``), every run's in
     the order the runs started: a training resumed has a folder per start."""

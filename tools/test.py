@@ -41,7 +41,7 @@ import json
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 import torch
-from _common import add_runner_arguments, build_runner, load_config, parse_runner_arguments
+from _common import add_runner_arguments, build_runner, leave_process_group, load_config, parse_runner_arguments
 from mmengine.config import Config
 from mmengine.dist import all_gather_object, is_main_process
 from mmengine.hooks import Hook
@@ -362,6 +362,7 @@ def main(argv=None):
             with open(args.out, 'w') as f:  # mmseg's metrics are numpy scalars
                 json.dump({**{k: v.item() if hasattr(v, 'item') else v for k, v in metrics.items()},
                            'img_size': None if size is None else list(size)}, f, indent=2)
+    leave_process_group()
     return metrics
 
 

@@ -25,9 +25,8 @@ import os
 from pathlib import Path
 from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
-import torch
-from _common import (LOGGED_NON_METRICS, add_runner_arguments, build_runner, is_validation, load_config,
-                     logged_scalars, parse_runner_arguments)
+from _common import (LOGGED_NON_METRICS, add_runner_arguments, build_runner, is_validation, leave_process_group,
+                     load_config, logged_scalars, parse_runner_arguments)
 from mmengine.config import Config
 from mmengine.dist import is_main_process
 from mmengine.hooks import Hook, LoggerHook
@@ -313,9 +312,7 @@ def main(argv=None):
             print(f'What the attention learned (Φp maps, nonlocality, impact; docs/analysis.md):\n'
                   f'  python tools/analyze.py {trained_config(args, runner.work_dir)} {checkpoint} '
                   f'--out {runner.work_dir}/analysis')
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()  # the other ranks wait for rank 0's summary, then all leave together
-        torch.distributed.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == '__main__':
