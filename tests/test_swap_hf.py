@@ -1,5 +1,5 @@
 """swap_attention on Hugging Face transformers' ViT-like vision models (ViT, DeiT, DINOv2 with and
-without registers, the CLIP and SigLIP vision towers): 'none' keeps outputs and gradients in
+without registers, the CLIP, Chinese-CLIP, SigLIP and AIMv2 vision towers, BEiT, Data2VecVision, Swin): 'none' keeps outputs and gradients in
 float64, names stay the model's, any input size the model takes, every Φp trains, and what the
 swapped layer cannot give (output_attentions, masks) is refused."""
 import copy
@@ -27,6 +27,11 @@ MODELS = {  # name: (build, the number of prefix tokens)
         transformers.Dinov2WithRegistersConfig(**SMALL, num_register_tokens=3)), 4),
     'clip_vision': (lambda: transformers.CLIPVisionModel(transformers.CLIPVisionConfig(**SMALL)), 1),
     'siglip_vision': (lambda: transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**SMALL)), 0),
+    'chinese_clip_vision': (lambda: transformers.ChineseCLIPVisionModel(transformers.ChineseCLIPVisionConfig(**SMALL)),
+                            1),
+    'aimv2_vision': (lambda: transformers.Aimv2VisionModel(transformers.Aimv2VisionConfig(**SMALL, use_head=True)), 0),
+    'aimv2_vision_native': (lambda: transformers.Aimv2VisionModel(transformers.Aimv2VisionConfig(
+        **SMALL, is_native=True, use_head=False)), 0),
     'beit': (lambda: transformers.BeitForImageClassification(transformers.BeitConfig(
         **SMALL, **NO_DROP_PATH, use_relative_position_bias=True, num_labels=3)), 1),
     'swin': (lambda: transformers.SwinForImageClassification(transformers.SwinConfig(
@@ -107,6 +112,19 @@ def test_the_clip_model_swaps_its_vision_tower_only():
     assert len(layers(model.vision_model)) == 2
     with torch.no_grad():
         model.get_image_features(pixel_values=images(dtype=torch.float32))
+
+
+def test_fixed_positions_are_not_dropped_silently():
+    """AIMv2's native variant adds a sinusoidal embedding computed in its forward: own_positions=False
+    is refused (the model unchanged); its learned variant's embedding is zeroed and frozen."""
+    native = MODELS['aimv2_vision_native'][0]()
+    before = copy.deepcopy(native.state_dict())
+    with pytest.raises(ValueError, match='own_positions=False cannot drop .*sinusoidal'):
+        swap_attention(native, phi='rpb', own_positions=False)
+    assert not layers(native) and all(torch.equal(before[k], v) for k, v in native.state_dict().items())
+    learned = swap_attention(MODELS['aimv2_vision'][0](), phi='rpb', own_positions=False)
+    embedding = learned.embeddings.position_embedding.weight
+    assert not embedding.requires_grad and not embedding.any()
 
 
 def test_output_attentions_and_masks_are_refused():

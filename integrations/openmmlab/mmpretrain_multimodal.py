@@ -18,12 +18,13 @@ is as it was. Tested with mmpretrain 1.2.0 and transformers 5.18.0 and 5.24.0.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.util
 import sys
 import warnings
 from pathlib import Path
-from typing import Iterable, List, Optional, Tuple
+from typing import FrozenSet, Iterable, List, Optional, Tuple
 
 __all__ = ['import_mmpretrain_beside_transformers', 'missing_imports']
 
@@ -46,12 +47,54 @@ def missing_imports(files: Iterable[Path], package: str) -> List[Tuple[str, str,
 
 
 def _importable(module: str, name: str) -> bool:
+    """Whether ``from module import name`` finds the name, without running ``module`` where it is a
+    plain source file (transformers' ``modeling_utils`` takes seconds to import): its top-level
+    names are read from the source. A package is imported (transformers' are lazy: listing their
+    names imports nothing more), as is a module that may make names at run time (a module-level
+    ``__getattr__``, a ``*`` import); a name such a module does not list is looked up."""
     try:
-        if hasattr(importlib.import_module(module), name):
+        spec = importlib.util.find_spec(module)
+        if spec is None:
+            return False
+        package = spec.submodule_search_locations is not None
+        defined = None if package else _top_level_names(spec.origin)
+        if defined is not None:
+            return name in defined
+        if name in _listed_names(module) or hasattr(importlib.import_module(module), name):
             return True
-        return importlib.util.find_spec(f'{module}.{name}') is not None
+        return package and importlib.util.find_spec(f'{module}.{name}') is not None  # a submodule
     except Exception:  # a module that fails to import: mmpretrain's import of it fails too
         return False
+
+
+@functools.lru_cache(maxsize=None)
+def _listed_names(module: str) -> FrozenSet[str]:
+    return frozenset(dir(importlib.import_module(module)))
+
+
+@functools.lru_cache(maxsize=None)
+def _top_level_names(origin: Optional[str]) -> Optional[FrozenSet[str]]:
+    """The names a Python source file binds at module level (in its ``if`` / ``try`` blocks too);
+    None where that cannot be read from the source."""
+    if origin is None or not origin.endswith('.py'):
+        return None
+    names = set()
+    pending = list(ast.parse(Path(origin).read_text(encoding='utf-8')).body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any(alias.name == '*' for alias in node.names):
+                return None
+            names.update(alias.asname or alias.name.split('.')[0] for alias in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
+            pending += [*node.body, *getattr(node, 'orelse', []), *getattr(node, 'finalbody', [])]
+            pending += [child for handler in getattr(node, 'handlers', []) for child in handler.body]
+    return None if '__getattr__' in names else frozenset(names)
 
 
 def import_mmpretrain_beside_transformers() -> Optional[str]:

@@ -85,6 +85,9 @@ class SwapPlan:
             in place, for a family whose own scheme lives beside the attention (transformers' BEiT:
             the table in the layer around it, handed to the layer's Φp by ``phi='own'``); None for
             none.
+        fixed_positions: where the model adds absolute positions that are no parameter (a sinusoidal
+            embedding computed in its forward), what they are: ``own_positions=False`` cannot drop
+            them and is refused with it; None where every absolute embedding is listed above.
     """
     family: str
     sites: List[AttentionSite]
@@ -95,6 +98,7 @@ class SwapPlan:
     own_phi: Optional[Callable[[AttentionSite, int], PositionalModule]] = None
     kept_phi: Callable[[AttentionSite, int], List[PositionalModule]] = lambda site, index: []  # none kept
     installed: Optional[Callable[[AttentionSite, 'SwappedAttention'], None]] = None
+    fixed_positions: Optional[str] = None
 
 
 def packs_self_attention(mha: nn.MultiheadAttention) -> bool:
@@ -251,7 +255,7 @@ def _refusal(model: nn.Module) -> str:
     return (f'no supported attention in {described(model)}; swap_attention knows timm\'s VisionTransformer, '
             "Eva, Beit, VisionTransformerRelPos, VisionTransformerSAM, ConVit and SwinTransformer, torchvision's "
             "VisionTransformer and SwinTransformer, transformers' ViT, DeiT, DINOv2, BEiT, Data2VecVision, Swin and "
-            'CLIP / SigLIP vision models, and (with posattn_openmmlab imported) the OpenMMLab ViTs and Swin')
+            'CLIP, Chinese-CLIP, SigLIP and AIMv2 vision models, and (with posattn_openmmlab imported) the OpenMMLab ViTs and Swin')
 
 
 def swap_attention(model: nn.Module, phi: PhiSpec = 'peripheral', *, own_positions: bool = True,
@@ -302,6 +306,10 @@ def swap_attention(model: nn.Module, phi: PhiSpec = 'peripheral', *, own_positio
     plans = _plans(model)
     if not plans:
         raise TypeError(_refusal(model))
+    fixed = [plan for plan in plans if plan.fixed_positions is not None]
+    if fixed and not own_positions:
+        raise ValueError(f'own_positions=False cannot drop the positions of {fixed[0].family}: '
+                         f'{fixed[0].fixed_positions}; keep them (own_positions=True)')
     names, configs = _phi_names(phi, phi_cfg)
     converting = OWN in names
     if converting:
@@ -448,7 +456,9 @@ def _hand_own_parameters_to_phi(layer: 'SwappedAttention') -> None:
 
     A parameter that the adapter took over from the replaced module (a relative position table)
     and that the Φp now holds leaves the adapter, so that it is saved once, under the Φp's name;
-    weights saved before the swap still load: a pre-hook renames their keys.
+    weights saved before the swap still load: a pre-hook renames their keys. A submodule of the
+    adapter all of whose state the Φp holds (transformers' module around a table) leaves it too
+    (:func:`hand_held_modules_to_phi`).
     """
     phi_names = {id(param): name for name, param in layer.phi.named_parameters()}
     renames = {}
@@ -458,6 +468,34 @@ def _hand_own_parameters_to_phi(layer: 'SwappedAttention') -> None:
             renames[name] = f'phi.{phi_names[id(param)]}'
     if renames:
         layer.register_load_state_dict_pre_hook(functools.partial(_rename_keys, renames=renames))
+    hand_held_modules_to_phi(layer, layer)
+
+
+def hand_held_modules_to_phi(owner: nn.Module, layer: 'SwappedAttention', layer_path: str = '') -> None:
+    """Detach every submodule of ``owner`` whose whole saved state is parameters that ``layer``'s Φp
+    holds (set to None where it was): after ``phi='own'`` the Φp computes what the module did, from
+    the same parameters, saved once under the Φp's name. Weights saved before the swap still load
+    into ``owner``: a pre-hook renames the module's keys onto the Φp's (``layer_path``: the path of
+    ``layer`` in ``owner``, '' where it is ``owner``). For a family whose scheme lives beside the
+    attention, in the block around it (transformers' BEiT), call it from ``SwapPlan.installed``.
+    """
+    phi_names = {id(param): name for name, param in layer.phi.named_parameters()}
+    inside_phi = {id(module) for module in layer.phi.modules()}
+    target = f'{layer_path}.phi.' if layer_path else 'phi.'
+    renames, detached = {}, []
+    for path, module in list(owner.named_modules()):
+        if not path or id(module) in inside_phi or any(path.startswith(f'{done}.') for done in detached):
+            continue
+        params = dict(module.named_parameters())
+        if not params or set(module.state_dict(keep_vars=True)) != set(params) \
+                or any(id(param) not in phi_names for param in params.values()):
+            continue
+        parent, _, name = path.rpartition('.')
+        setattr(owner.get_submodule(parent), name, None)
+        detached.append(path)
+        renames.update({f'{path}.{key}': target + phi_names[id(param)] for key, param in params.items()})
+    if renames:
+        owner.register_load_state_dict_pre_hook(functools.partial(_rename_keys, renames=renames))
 
 
 def _rename_named_phi_keys(layer: 'SwappedAttention', named: Sequence[PositionalModule], offset: int) -> None:

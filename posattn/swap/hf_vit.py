@@ -1,6 +1,6 @@
 """Hugging Face ``transformers`` (>= 5) vision transformers: ViT, DeiT (class and distillation
 tokens), DINOv2 (with and without registers), BEiT and Data2VecVision, Swin, and the vision towers of
-CLIP and SigLIP.
+CLIP, Chinese-CLIP, SigLIP and AIMv2.
 
 Each layer's attention holds separate ``q_proj``, ``k_proj``, ``v_proj`` and an output projection
 (``o_proj``; CLIP's and SigLIP's ``out_proj``), and runs the attention function that the model's
@@ -24,7 +24,6 @@ table's bias is the first member of the Φp while kept; ``phi='own'`` hands the 
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -33,7 +32,7 @@ from torch import nn
 from ..grid import TokenGrid
 from ..phi import PositionalModule
 from ..phi.rpb import RelativePositionBias
-from .core import AttentionSite, SwapPlan, SwappedAttention, _rename_keys, described, register_family
+from .core import AttentionSite, SwapPlan, SwappedAttention, described, hand_held_modules_to_phi, register_family
 from .given import GivenBias
 from .window_tables import RELATIVE_POSITION_BIAS, WindowTableAttention
 
@@ -95,13 +94,7 @@ class HfSwinAttention(HfAttention):
     def take_over(self, old: nn.Module) -> None:
         super().take_over(old)
         self.window_size = tuple(old.relative_position_bias.window_size)
-        held = _phi_name(self, old.relative_position_bias.relative_position_bias_table)
-        if held is None:
-            self.take(old, 'relative_position_bias')
-        else:  # phi='own': the Φp holds the table
-            self.relative_position_bias = None
-            self.register_load_state_dict_pre_hook(functools.partial(
-                _rename_keys, renames={'relative_position_bias.relative_position_bias_table': held}))
+        self.take(old, 'relative_position_bias')  # phi='own': the Φp holds its table, and the swap detaches it
 
     def current_grid(self, *tensors: Optional[torch.Tensor]) -> TokenGrid:
         """Every window is one wh x ww grid."""
@@ -129,13 +122,7 @@ class HfData2VecAttention(HfAttention):
         self.proj = None  # output.dense serves (:attr:`proj`)
         self.take(old, 'attention', 'output')
         self.attn_drop.p, self.proj_drop.p = old.attention.dropout.p, old.output.dropout.p
-        self.config = old.attention.config
-        own = getattr(old.attention, 'relative_position_bias', None)
-        held = None if own is None else _phi_name(self, own.relative_position_bias_table)
-        if held is not None:  # phi='own': the Φp holds the table
-            self.attention.relative_position_bias = None
-            self.register_load_state_dict_pre_hook(functools.partial(_rename_keys, renames={
-                'attention.relative_position_bias.relative_position_bias_table': held}))
+        self.config = old.attention.config  # phi='own': the Φp holds the table, and the swap detaches its module
 
     def forward(self, hidden_states: torch.Tensor, output_attentions: bool = False,
                 relative_position_bias: Optional[torch.Tensor] = None, interpolate_pos_encoding: bool = False,
@@ -153,12 +140,6 @@ class HfData2VecAttention(HfAttention):
 
     def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.attention.query(x), self.attention.key(x), self.attention.value(x)], dim=-1)
-
-
-def _phi_name(layer: SwappedAttention, table: nn.Parameter) -> Optional[str]:
-    """The name in ``layer`` under which its Φp holds ``table`` (``phi.relative_position_bias_table``,
-    ``phi.0....`` in a stack), or None where it does not hold it."""
-    return next((f'phi.{name}' for name, param in layer.phi.named_parameters() if param is table), None)
 
 
 def _swin_own_phi(site: AttentionSite, index: int) -> RelativePositionBias:
@@ -179,6 +160,8 @@ class _Model(NamedTuple):
     own_phi: Callable[[nn.Module], Optional[Callable[[AttentionSite, int], PositionalModule]]] = lambda model: None
     installed: Optional[Callable[[AttentionSite, SwappedAttention], None]] = None
     windowed: bool = False  # each layer knows its grid (its window): no patch grid to track
+    # where the model adds absolute positions that are no parameter, what they are (SwapPlan.fixed_positions)
+    fixed_positions: Callable[[nn.Module], Optional[str]] = lambda model: None
 
 
 def _projection(model: nn.Module) -> nn.Module:
@@ -187,6 +170,18 @@ def _projection(model: nn.Module) -> nn.Module:
 
 def _embedding(model: nn.Module) -> nn.Module:
     return model.embeddings.patch_embedding
+
+
+def _aimv2_embedding(model: nn.Module) -> List[nn.Parameter]:
+    """AIMv2's learned position embedding; none in its native variant (``is_native``)."""
+    embedding = getattr(model.embeddings, 'position_embedding', None)
+    return [] if embedding is None else [embedding.weight]
+
+
+def _aimv2_fixed(model: nn.Module) -> Optional[str]:
+    if model.config.is_native:
+        return 'its native variant (is_native) adds a 2D sinusoidal embedding computed in its forward'
+    return None
 
 
 def _table(model: nn.Module) -> List[nn.Parameter]:
@@ -238,13 +233,7 @@ def _table_own_phi(shared: bool, tables: List[nn.Parameter], own_of: Callable[[A
 def _hand_beit_table_to_phi(site: AttentionSite, layer: SwappedAttention) -> None:
     """After ``phi='own'``, the BEiT layer around the attention no longer adds its table's bias: the
     layer's ``rpb`` holds the table, saved once under the Φp's name; the model's name loads onto it."""
-    own = site.parent.relative_position_bias
-    held = None if own is None else _phi_name(layer, own.relative_position_bias_table)
-    if held is None:
-        return
-    site.parent.relative_position_bias = None
-    site.parent.register_load_state_dict_pre_hook(functools.partial(_rename_keys, renames={
-        'relative_position_bias.relative_position_bias_table': f'{site.name}.{held}'}))
+    hand_held_modules_to_phi(site.parent, layer, site.name)
 
 
 # transformers' model class name: what the family reads of it
@@ -256,6 +245,9 @@ _MODELS: Dict[str, _Model] = {
                                        lambda m: 1 + m.config.num_register_tokens, _table),
     'CLIPVisionModel': _Model('CLIPAttention', _embedding, lambda m: 1, _lookup),
     'SiglipVisionModel': _Model('SiglipAttention', _embedding, lambda m: 0, _lookup),
+    'ChineseCLIPVisionModel': _Model('ChineseCLIPVisionAttention', _embedding, lambda m: 1, _lookup),
+    'Aimv2VisionModel': _Model('Aimv2Attention', lambda m: m.embeddings.patch_embed, lambda m: 0, _aimv2_embedding,
+                               fixed_positions=_aimv2_fixed),
     'BeitModel': _Model('BeitAttention', _projection, lambda m: 1, _table, HfBeitAttention,
                         _tables('BeitRelativePositionBias'), _beit_own_phi, _hand_beit_table_to_phi),
     'Data2VecVisionModel': _Model('Data2VecVisionAttention', _projection, lambda m: 1, _table, HfData2VecAttention,
@@ -282,7 +274,7 @@ def hf_vision_transformer(model: nn.Module) -> Optional[SwapPlan]:
     projection = None if found.windowed else found.patch_projection(model)
     return SwapPlan(f'transformers {type(model).__name__}', sites, found.adapter, projection,
                     found.position_embeddings(model), tables, own_phi=found.own_phi(model), kept_phi=kept,
-                    installed=found.installed)
+                    installed=found.installed, fixed_positions=found.fixed_positions(model))
 
 
 def _site(index: int, parent: nn.Module, name: str, attn: nn.Module, num_prefix_tokens: int) -> AttentionSite:
