@@ -97,9 +97,11 @@ def test_fine_tuning_a_swapped_model_lowers_the_loss(device):
 
 
 def test_unsupported_models_name_what_was_found():
-    with pytest.raises(TypeError, match="no supported attention in torch.nn.modules.container.Sequential; "
-                                        "swap_attention knows timm's VisionTransformer"):
+    with pytest.raises(TypeError, match=r"no supported attention in torch.nn.modules.container.Sequential \(it has "
+                                        r"no module named as an attention\); swap_attention knows timm's VisionTransformer"):
         swap_attention(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(TypeError, match=r"Sequential \(its attention modules, MultiheadAttention, are of no family"):
+        swap_attention(nn.Sequential(nn.MultiheadAttention(4, 2, kdim=2)))
     model = small_timm_vit()
     model.blocks[1].attn = nn.Identity()
     with pytest.raises(TypeError, match=r'block 1 \(timm.models.vision_transformer.Block\) holds '

@@ -219,6 +219,16 @@ _REFUSED: Dict[str, str] = {
     'transformers.models.vit_mae.modeling_vit_mae.ViTMAEModel': "ViTMAE's encoder attends over a random subset "
                                                                 'of the patches, in shuffled order (whatever its '
                                                                 'mask ratio): its tokens are not the patch grid',
+    'transformers.models.yolos.modeling_yolos.YolosModel': "YOLOS appends its detection tokens after the patch "
+                                                          'tokens: posattn lays the extra tokens before the grid',
+    'transformers.models.siglip2.modeling_siglip2.Siglip2VisionModel': "SigLIP 2 (NaFlex) runs each image at its own "
+                                                                       'grid, padded to one length: posattn takes one '
+                                                                       'grid per call',
+    'transformers.models.hiera.modeling_hiera.HieraModel': "Hiera's mask-unit attention pools its queries between "
+                                                           'stages: its queries are not the key grid',
+    'transformers.models.dinov3_vit.modeling_dinov3_vit.DINOv3ViTModel': "DINOv3's RoPE over patch coordinates is not "
+                                                                         'converted (timm\'s EVA RoPE is): swap timm\'s '
+                                                                         'DINOv3 (an Eva) instead',
     'transformers.models.swinv2.modeling_swinv2.Swinv2Model': "Swin V2's cosine attention (normalised queries and "
                                                               'keys times a learned logit scale, with a position '
                                                               'bias from a continuous MLP) is not the scaled dot '
@@ -252,10 +262,14 @@ def _refusal(model: nn.Module) -> str:
     if any(name.startswith(_OPENMMLAB) for name in classes):
         return (f'no supported OpenMMLab model in {described(model)}: import posattn_openmmlab, which adds '
                 "mmpretrain's and mmseg's VisionTransformer and mmdet's SwinTransformer")
-    return (f'no supported attention in {described(model)}; swap_attention knows timm\'s VisionTransformer, '
+    attentions = sorted({type(m).__name__ for m in model.modules() if 'attention' in type(m).__name__.lower()})
+    seen = (f' (its attention modules, {", ".join(attentions[:4])}{", ..." if len(attentions) > 4 else ""}, are '
+            'of no family swap_attention knows)' if attentions else ' (it has no module named as an attention)')
+    return (f'no supported attention in {described(model)}{seen}; swap_attention knows timm\'s VisionTransformer, '
             "Eva, Beit, VisionTransformerRelPos, VisionTransformerSAM, ConVit and SwinTransformer, torchvision's "
-            "VisionTransformer and SwinTransformer, transformers' ViT, DeiT, DINOv2, BEiT, Data2VecVision, Swin and "
-            'CLIP, Chinese-CLIP, SigLIP and AIMv2 vision models, and (with posattn_openmmlab imported) the OpenMMLab ViTs and Swin')
+            "VisionTransformer and SwinTransformer, transformers' ViT, DeiT, ViT-MSN, I-JEPA, Pixio, DINOv2, BEiT, "
+            'Data2VecVision, Swin and CLIP, Chinese-CLIP, SigLIP and AIMv2 vision models, and (with posattn_openmmlab '
+            'imported) the OpenMMLab ViTs and Swin')
 
 
 def swap_attention(model: nn.Module, phi: PhiSpec = 'peripheral', *, own_positions: bool = True,

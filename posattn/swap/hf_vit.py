@@ -1,5 +1,5 @@
 """Hugging Face ``transformers`` (>= 5) vision transformers: ViT, DeiT (class and distillation
-tokens), DINOv2 (with and without registers), BEiT and Data2VecVision, Swin, and the vision towers of
+tokens), ViT-MSN, I-JEPA, Pixio (several class tokens), DINOv2 (with and without registers), BEiT and Data2VecVision, Swin, and the vision towers of
 CLIP, Chinese-CLIP, SigLIP and AIMv2.
 
 Each layer's attention holds separate ``q_proj``, ``k_proj``, ``v_proj`` and an output projection
@@ -240,6 +240,9 @@ def _hand_beit_table_to_phi(site: AttentionSite, layer: SwappedAttention) -> Non
 _MODELS: Dict[str, _Model] = {
     'ViTModel': _Model('ViTAttention', _projection, lambda m: 1, _table),
     'DeiTModel': _Model('DeiTAttention', _projection, lambda m: 2, _table),
+    'ViTMSNModel': _Model('ViTMSNAttention', _projection, lambda m: 1, _table),
+    'IJepaModel': _Model('IJepaAttention', _projection, lambda m: 0, _table),
+    'PixioModel': _Model('PixioAttention', _projection, lambda m: m.config.n_cls_tokens, _table),
     'Dinov2Model': _Model('Dinov2Attention', _projection, lambda m: 1, _table),
     'Dinov2WithRegistersModel': _Model('Dinov2WithRegistersAttention', _projection,
                                        lambda m: 1 + m.config.num_register_tokens, _table),
