@@ -120,7 +120,7 @@ def write_tiny_row(path: Path, base: str) -> Path:
 
 
 def test_the_built_in_studies_hold_the_rows_the_tool_had():
-    assert builtin_studies() == sorted(OLD_EXPERIMENTS)
+    assert builtin_studies() == sorted([*OLD_EXPERIMENTS, 'relations'])  # relations: tests/test_relations_dataset.py
     for experiment, (rows, work_dir, analysed, factors) in OLD_EXPERIMENTS.items():
         study = tool.parse_args(['--experiment', experiment]).study
         assert [(row.name, row.config, row.label, row.start_from) for row in study.rows.values()] == rows, experiment
@@ -219,7 +219,8 @@ def test_a_rows_options_reach_its_runs_after_the_command_lines(tmp_path):
 @pytest.mark.parametrize('text, message', [
     ("rows = []\n", r'has no rows: a study sets rows = \[dict\(name=..., config=..., label=...\), ...\]'),
     ("rows = [dict(name='a', config='deit_t_none_shapes.py')]\nanalyze = True\n",
-     'sets analyze, which a study does not know; a study sets rows, data, analyse, test_size_factors, work_dir'),
+     'sets analyze, which a study does not know; a study sets rows, data, analyse, test_size_factors, '
+     'test_extent_factors, work_dir'),
     ("rows = ['deit_t_none_shapes.py']\n", r"row 1: a row is dict\(name=..., config=..., label=...\), got"),
     ("rows = [dict(name='a', config='deit_t_none_shapes.py', lable='A')]\n",
      'row 1 sets lable, which a row does not know; a row sets name, config, label, options, start_from, '

@@ -14,7 +14,7 @@ from mmengine.registry import init_default_scope
 
 CONFIGS = REPO_ROOT / 'configs'
 STUDIES = CONFIGS / 'studies'  # the built-in studies, which --experiment names
-STUDY_KEYS = ('rows', 'data', 'analyse', 'test_size_factors', 'work_dir')
+STUDY_KEYS = ('rows', 'data', 'analyse', 'test_size_factors', 'test_extent_factors', 'work_dir')
 ROW_KEYS = ('name', 'config', 'label', 'options', 'start_from', 'checkpoint_keys')
 ROW_NAME = re.compile(r'[A-Za-z0-9_][A-Za-z0-9_.-]*')  # a folder name and a command-line word
 # The keys of a data config that replace a row's whole; with num_classes, what every data config defines.
@@ -46,6 +46,7 @@ class Study(NamedTuple):
     data: Optional[Path] = None
     analyse: bool = False
     test_size_factors: Tuple[float, ...] = ()
+    test_extent_factors: Tuple[float, ...] = ()
 
 
 def builtin_studies() -> list:
@@ -87,7 +88,8 @@ def load_study(path) -> Study:
     return Study(name=path.stem, rows=rows, work_dir=settings.get('work_dir') or f'work_dirs/compare_phis/{path.stem}',
                  data=config_file(data, path.resolve().parent) if data else None,
                  analyse=bool(settings.get('analyse', False)),
-                 test_size_factors=tuple(float(factor) for factor in settings.get('test_size_factors') or ()))
+                 test_size_factors=tuple(float(factor) for factor in settings.get('test_size_factors') or ()),
+                 test_extent_factors=tuple(float(factor) for factor in settings.get('test_extent_factors') or ()))
 
 
 def parse_row(spec, study_dir: Path, where: str) -> Row:

@@ -21,7 +21,11 @@ top) and Φp designs (Table 5, bottom) with PerViT-T at half width; each run is 
 ``tools/analyze.py``, and the nonlocality of Φp and Φa per layer (the paper's Fig. A8) joins its record.
 ``resolution`` is CPVT Table 3's last column: each Φp in DeiT-T at half width, with PerViT-T at half
 width, trained at 64 x 64 and tested, without fine-tuning, at 0.5, 0.75, 1, 1.5 and 2 times that size
-(``tools/test.py --img-size``: the same test scenes drawn at each size).
+(``tools/test.py --img-size``: the same test scenes drawn at each size). ``relations`` is the harder
+benchmark: PositionalRelations (which of three target shapes is leftmost and which topmost, among
+distractors), every Φp of Table 2 and the schemes in DeiT-T at half width with PerViT-T at half width,
+tested at other scales (``--img-size``) and extents (``tools/test.py --extent``: scenes of the training
+scale on larger canvases, more tokens).
 
 A study file is a Python file read by mmengine's ``Config.fromfile`` (so it may inherit another study
 with ``_base_``)::
@@ -36,6 +40,7 @@ with ``_base_``)::
     data = 'my_data.py'              # optional: every row's data, as --data
     analyse = True                   # optional (False): tools/analyze.py on each run, Ω per layer
     test_size_factors = (0.5, 1, 2)  # optional (none): test each run at these multiples of its test size
+    test_extent_factors = (1, 2)     # optional (none), PositionalRelations: on canvases these multiples wide
     work_dir = 'work_dirs/my_study'  # optional (work_dirs/compare_phis/<study file name>)
 
 A row's ``name`` names its folder in the work dir and what ``--rows`` picks; ``config`` is a path
@@ -76,7 +81,8 @@ mmengine's logged windows of the run, which other jobs on the machine inflate; t
 timing and the figures' labels), ``comparison.md`` (the tables: mean ± standard deviation over seeds
 with their number, the range, and per seed the first epoch at 95% top-1) and ``comparison.png``
 (validation top-1 per epoch, and final top-1 against step time); a study with test sizes adds
-``resolution.png`` (top-1 against test size, a band over seeds) and ``resolution.log``.
+``resolution.png`` (top-1 against test size, a band over seeds) and ``resolution.log``, one with
+test extents ``extent.png`` and ``extent.log``.
 """
 import argparse
 import copy
@@ -90,7 +96,7 @@ import sys
 import time
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Dict, NamedTuple, Optional, Sequence
 
 from _common import REPO_ROOT, logged_scalars
 from _step_timing import WARMUP_STEPS, batch_and_size, step_timing_note, time_training_steps
@@ -232,6 +238,28 @@ def _test_tool():
     return module
 
 
+class SizeTest(NamedTuple):
+    """A test of every run at other sizes, without fine-tuning: the study setting of its factors,
+    tools/test.py's option, the run record's key and folder, and its figure and words."""
+    factors_key: str
+    option: str
+    record_key: str
+    folder: str
+    figure: str
+    heading: str
+    axis: str
+
+
+SIZE_TESTS = (
+    SizeTest('test_size_factors', '--img-size', 'top1_at_size', 'resolution', 'resolution.png',
+             'Top-1 (%) at each test size, without fine-tuning (scale: the same scenes drawn larger or smaller)',
+             'test size, times the training size (no fine-tuning)'),
+    SizeTest('test_extent_factors', '--extent', 'top1_at_extent', 'extent', 'extent.png',
+             'Top-1 (%) on larger canvases, without fine-tuning (extent: the training scale, more tokens)',
+             'canvas side, times the training canvas (no fine-tuning)'),
+)
+
+
 def test_sizes(cfg: Config, factors: Sequence[float], where: str) -> list:
     """The image sides a row is tested at: its config's test size times each of ``factors``, which
     must give whole pixels."""
@@ -245,17 +273,18 @@ def test_sizes(cfg: Config, factors: Sequence[float], where: str) -> list:
     return [int(size) for size in sizes]
 
 
-def evaluate_at_sizes(config: Path, options: list, run_dir: Path, sizes: list, log) -> dict:
+def evaluate_at_sizes(config: Path, options: list, run_dir: Path, sizes: list, log,
+                      test: SizeTest = SIZE_TESTS[0]) -> dict:
     """Top-1 of the run's last checkpoint at each of ``sizes`` (``test_sizes``), without fine-tuning:
-    tools/test.py ``--img-size`` in this process, its output to ``log``. Returns {side in pixels
-    (str): top-1}; a size measured before (its JSON under ``run_dir/resolution``) is read, not
-    measured again."""
-    tool, out_dir = _test_tool(), run_dir / 'resolution'
+    tools/test.py with ``test.option`` (``--img-size``, ``--extent``) in this process, its output to
+    ``log``. Returns {side in pixels (str): top-1}; a size measured before (its JSON under
+    ``run_dir/<test.folder>``) is read, not measured again."""
+    tool, out_dir = _test_tool(), run_dir / test.folder
     top1 = {}
     for size in sizes:
         out = out_dir / f'top1_at_{size}.json'
         if not out.is_file():
-            argv = [str(config), str(last_checkpoint(run_dir)), '--img-size', str(size),
+            argv = [str(config), str(last_checkpoint(run_dir)), test.option, str(size),
                     '--work-dir', str(out_dir), '--out', str(out), '--cfg-options', *options]
             with redirect_stdout(log), redirect_stderr(log):
                 tool.main(argv)
@@ -392,14 +421,14 @@ def markdown(table: list, runs: list) -> str:
     return '\n'.join(lines) + '\n'
 
 
-def resolution_markdown(table: list, runs: list, factors: Sequence[float]) -> str:
+def resolution_markdown(table: list, runs: list, factors: Sequence[float], test: SizeTest = SIZE_TESTS[0]) -> str:
     """Top-1 per row at each test size, mean ± std over seeds."""
-    sizes = list(runs[0]['top1_at_size'])
+    sizes = list(runs[0][test.record_key])
     lines = ['| model | ' + ' | '.join(f'{factor:g}x: {size} px' for factor, size in zip(factors, sizes))
              + ' |', '|---|' + '---|' * len(sizes)]
     for line in table:
         mine = [run for run in runs if run['row'] == line['row']]
-        lines.append(f'| {line["model"]} | ' + ' | '.join(mean_std([run['top1_at_size'][size] for run in mine])
+        lines.append(f'| {line["model"]} | ' + ' | '.join(mean_std([run[test.record_key][size] for run in mine])
                                                           for size in sizes) + ' |')
     return '\n'.join(lines) + '\n'
 
@@ -470,17 +499,18 @@ def comparison_figure(runs: list, table: list, rows: Dict[str, Row], labels: dic
     return fig
 
 
-def resolution_figure(table: list, runs: list, factors: Sequence[float], labels: dict):
+def resolution_figure(table: list, runs: list, factors: Sequence[float], labels: dict,
+                      test: SizeTest = SIZE_TESTS[0]):
     """Top-1 against the test size (times the training size) per row: the mean over seeds as a line,
     the seeds' lowest to highest as a band."""
     plt = _pyplot()
     from posattn.analysis.figures import FIGURE_STYLE
 
-    sizes = list(runs[0]['top1_at_size'])
+    sizes = list(runs[0][test.record_key])
     with plt.rc_context(FIGURE_STYLE):
         fig, axis = plt.subplots(figsize=(11, 5.2))
         for index, line in enumerate(table):
-            per_seed = [[run['top1_at_size'][size] for size in sizes] for run in runs if run['row'] == line['row']]
+            per_seed = [[run[test.record_key][size] for size in sizes] for run in runs if run['row'] == line['row']]
             by_size = list(zip(*per_seed))
             colour = f'C{index % 10}'  # ten rows at most: one colour each
             axis.plot(factors, [statistics.fmean(values) for values in by_size], color=colour, marker='o',
@@ -491,8 +521,9 @@ def resolution_figure(table: list, runs: list, factors: Sequence[float], labels:
         for chance in labels['chance_top1']:
             axis.axhline(chance, color='grey', linewidth=1, linestyle=':', label=f'chance ({chance:.3g}%)')
         axis.set_xticks(factors, [f'{factor:g}x\n{size} px' for factor, size in zip(factors, sizes)])
-        axis.set(xlabel='test size, times the training size (no fine-tuning)', ylabel='validation top-1 (%)',
-                 title=f'{labels["dataset"]} at other input sizes: mean over seeds, band from lowest to highest')
+        kind = 'at other input sizes' if test is SIZE_TESTS[0] else 'on larger canvases'
+        axis.set(xlabel=test.axis, ylabel='validation top-1 (%)',
+                 title=f'{labels["dataset"]} {kind}: mean over seeds, band from lowest to highest')
         axis.legend(fontsize=9, loc='upper left', bbox_to_anchor=(1.01, 1))  # beside the axes, clear of the lines
         fig.tight_layout()
     return fig
@@ -537,13 +568,16 @@ def main(argv=None):
         if study.analyse and 'nonlocality' not in run:
             run['nonlocality'] = measure_nonlocality(row, config, options, run_dir)
             (run_dir / RUN_RECORD).write_text(json.dumps(run, indent=1))
-        sizes = test_sizes(run_configs[name], study.test_size_factors, row.config) if study.test_size_factors else []
-        if sizes and list(run.get('top1_at_size', ())) != list(map(str, sizes)):
-            with open(work_dir / 'resolution.log', 'a') as log:
-                run['top1_at_size'] = evaluate_at_sizes(config, options, run_dir, sizes, log)
-            (run_dir / RUN_RECORD).write_text(json.dumps(run, indent=1))
-            print('    top-1 at ' + ', '.join(f'{size} px {top1:.1f}%' for size, top1 in run['top1_at_size'].items()),
-                  flush=True)
+        for test in SIZE_TESTS:
+            factors = getattr(study, test.factors_key)
+            sizes = test_sizes(run_configs[name], factors, row.config) if factors else []
+            if sizes and list(run.get(test.record_key, ())) != list(map(str, sizes)):
+                with open(work_dir / f'{test.folder}.log', 'a') as log:
+                    run[test.record_key] = evaluate_at_sizes(config, options, run_dir, sizes, log, test)
+                (run_dir / RUN_RECORD).write_text(json.dumps(run, indent=1))
+                print(f'    top-1 ({test.option}) at ' + ', '.join(f'{size} px {top1:.1f}%'
+                                                               for size, top1 in run[test.record_key].items()),
+                      flush=True)
         runs.append(run)
         print(f'    top-1 {run["top1_per_epoch"][-1]:.1f}% after {len(run["top1_per_epoch"])} epochs, '
               f'{run["wall_s"] / 60:.1f} min', flush=True)
@@ -562,17 +596,19 @@ def main(argv=None):
     (work_dir / 'comparison.json').write_text(json.dumps(record, indent=1))
     measures = nonlocality_markdown(table)
     text = markdown(table, runs) + '\n' + note + '\n' + ('\n' + measures if measures else '')
-    if study.test_size_factors:
-        text += ('\nTop-1 (%) at each test size, without fine-tuning:\n\n'
-                 + resolution_markdown(table, runs, study.test_size_factors))
-        from posattn.analysis.figures import DEFAULT_DPI
-        save_figure(resolution_figure(table, runs, study.test_size_factors, labels), work_dir / 'resolution.png',
-                    DEFAULT_DPI)
+    figures = []
+    for test in SIZE_TESTS:
+        factors = getattr(study, test.factors_key)
+        if factors:
+            text += f'\n{test.heading}:\n\n' + resolution_markdown(table, runs, factors, test)
+            from posattn.analysis.figures import DEFAULT_DPI
+            save_figure(resolution_figure(table, runs, factors, labels, test), work_dir / test.figure, DEFAULT_DPI)
+            figures.append(test.figure)
     (work_dir / 'comparison.md').write_text(text)
     save_figure(comparison_figure(runs, table, rows, labels), work_dir / 'comparison.png', 90)
     print('\n' + text)
     print(f'wrote {work_dir / "comparison.md"}, comparison.json and comparison.png'
-          + (' and resolution.png' if study.test_size_factors else ''))
+          + ''.join(f' and {figure}' for figure in figures))
 
 
 if __name__ == '__main__':

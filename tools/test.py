@@ -24,7 +24,11 @@ ViT); relative Φp and PerViT's are computed for the grid they see. The test dat
   ``scale`` without ``keep_ratio``, ``RandomResizedCrop``) gives them at N x N instead.
 
 Any other test data, and detectors and segmentors, are an error naming the ``--cfg-options`` keys
-that size the images, to set by hand. A size the test cannot fit in memory is an error before any
+that size the images, to set by hand.
+
+``--extent N`` tests the extent of a classifier trained on ``PositionalRelations``: its test scenes
+are drawn on a canvas of N x N pixels at the training scale (the shapes keep their pixel sizes;
+more tokens), where ``--img-size N`` draws the same scenes scaled. The two are exclusive. A size the test cannot fit in memory is an error before any
 test data are made (:func:`check_test_fits`): a batch of its images, or the attention of one image.
 
 The size printed with the metrics and written to ``--out`` (``img_size``) is that of the images the
@@ -56,6 +60,7 @@ from posattn_openmmlab.class_checks import ClassCountMismatch
 
 # Config keys that size a dataset's images, in the dataset and in its pipeline's transforms
 SIZE_KEYS = ('img_size', 'scale', 'crop_size', 'size')
+GENERATED = ('PositionalShapes', 'PositionalRelations')  # the embedded sets, generated at any img_size
 TEST_DATASET = 'test_dataloader.dataset'
 IMG_SIZE_HELP = (
     "evaluate at N x N (or H x W) pixels, without fine-tuning. The model is built as the config says (a "
@@ -79,7 +84,11 @@ def parse_args(argv=None):
     parser.add_argument('checkpoint', help='checkpoint file')
     parser.add_argument('--out', help='write the metrics, and the image size they were measured at '
                                       '(img_size: [height, width]), to this JSON file')
-    parser.add_argument('--img-size', type=int, nargs='+', metavar='N', help=IMG_SIZE_HELP)
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument('--img-size', type=int, nargs='+', metavar='N', help=IMG_SIZE_HELP)
+    sizes.add_argument('--extent', type=int, metavar='N',
+                       help='PositionalRelations only: draw the test scenes on an N x N canvas at the training scale '
+                            '(the shapes keep their pixel sizes, the image has more tokens), without fine-tuning')
     add_runner_arguments(parser)
     args = parse_runner_arguments(parser, argv)
     if args.img_size is not None:
@@ -87,6 +96,8 @@ def parse_args(argv=None):
             args.img_size = image_size(args.img_size)
         except ValueError as error:
             parser.error(str(error))
+    if args.extent is not None and args.extent < 1:
+        parser.error(f'--extent takes a canvas side in pixels >= 1; got {args.extent}')
     return args
 
 
@@ -201,7 +212,7 @@ def config_test_size(cfg: Config) -> Optional[Size]:
     """(height, width) of the images the config's test split gives, where :func:`set_test_size`
     knows its data; None otherwise."""
     dataset = cfg.test_dataloader.dataset
-    if _transform_type(dataset) == 'PositionalShapes':
+    if _transform_type(dataset) in GENERATED:
         return (dataset.img_size,) * 2 if 'img_size' in dataset else None  # None: the dataset's default
     return pipeline_size(dataset.get('pipeline') or ())
 
@@ -227,12 +238,13 @@ def set_test_size(cfg: Config, size: Size) -> str:
     the keys to set by hand."""
     _require_classifier(cfg)
     dataset, before = cfg.test_dataloader.dataset, _in_words(config_test_size(cfg))
-    if _transform_type(dataset) == 'PositionalShapes':
+    kind = _transform_type(dataset)
+    if kind in GENERATED:
         if size[0] != size[1]:
-            raise ValueError(f'PositionalShapes draws square images: give one side, --img-size {size[0]}; got '
+            raise ValueError(f'{kind} draws square images: give one side, --img-size {size[0]}; got '
                              f'{_in_words(size)}')
         dataset.img_size = size[0]
-        return (f'the PositionalShapes test split generated at {_in_words(size)} pixels (the config\'s: {before}), '
+        return (f'the {kind} test split generated at {_in_words(size)} pixels (the config\'s: {before}), '
                 f'the same scenes')
     pipeline = dataset.get('pipeline') or ()
     fixed, indices = fixed_size_index(pipeline), resize_crop_indices(pipeline)
@@ -249,6 +261,21 @@ def set_test_size(cfg: Config, size: Size) -> str:
     resize = indices[0]
     return (f'the test pipeline\'s ResizeEdge to a short edge of {dataset.pipeline[resize].scale} (the config\'s: '
             f'{pipeline[resize].scale}), bicubic, and its CenterCrop to {_in_words(size)} (the config\'s: {before})')
+
+
+def set_test_extent(cfg: Config, side: int) -> str:
+    """Rewrites ``cfg.test_dataloader`` (PositionalRelations) to draw its scenes on a ``side`` x
+    ``side`` canvas at the training scale; returns what it changed, in words. A ValueError for any
+    other test data."""
+    _require_classifier(cfg)
+    dataset = cfg.test_dataloader.dataset
+    if _transform_type(dataset) != 'PositionalRelations':
+        raise ValueError(f'--extent draws PositionalRelations scenes on a larger canvas; this config tests on '
+                         f'{dataset.get("type")}: use --img-size, which scales the test images')
+    before = _in_words(config_test_size(cfg))
+    dataset.img_size = dataset.canvas = side
+    return (f'the PositionalRelations test split drawn on a canvas of {side} x {side} pixels at the training scale '
+            f'(the config\'s images: {before})')
 
 
 def _in_words(size: Optional[Size]) -> str:
@@ -331,21 +358,23 @@ def main(argv=None):
     except ValueError as error:
         raise SystemExit(f'tools/test.py {args.config}: {error}') from None
     config_size, change = config_test_size(cfg), None
-    if args.img_size is not None:
+    test_size = args.img_size if args.extent is None else (args.extent, args.extent)
+    option = (f'--img-size {test_size[0]} {test_size[1]}' if args.extent is None else f'--extent {args.extent}') \
+        if test_size is not None else None
+    if test_size is not None:
         try:
-            change = set_test_size(cfg, args.img_size)
+            change = set_test_size(cfg, test_size) if args.extent is None else set_test_extent(cfg, args.extent)
         except ValueError as error:
             raise SystemExit(f'tools/test.py {args.config}: {error}') from None
     runner = build_runner(cfg)
-    if args.img_size is not None:
+    if test_size is not None:
         try:
-            check_test_fits(runner.model, args.img_size, cfg.test_dataloader.batch_size, fp16=args.amp)
+            check_test_fits(runner.model, test_size, cfg.test_dataloader.batch_size, fp16=args.amp)
         except MemoryError as error:
-            raise SystemExit(f'tools/test.py {args.config}: --img-size {args.img_size[0]} {args.img_size[1]} '
-                             f'cannot be tested here: {error}. The config tests at {_in_words(config_size)}') from None
+            raise SystemExit(f'tools/test.py {args.config}: {option} cannot be tested here: {error}. The config '
+                             f'tests at {_in_words(config_size)}') from None
     if change:
-        runner.logger.info(f'--img-size {args.img_size[0]} {args.img_size[1]}: {change}; the model as the config '
-                           f'builds it, without fine-tuning')
+        runner.logger.info(f'{option}: {change}; the model as the config builds it, without fine-tuning')
     tested = TestedImageSizes()
     runner.register_hook(tested, priority='LOWEST')
     try:
@@ -361,7 +390,7 @@ def main(argv=None):
         if args.out:
             with open(args.out, 'w') as f:  # mmseg's metrics are numpy scalars
                 json.dump({**{k: v.item() if hasattr(v, 'item') else v for k, v in metrics.items()},
-                           'img_size': None if size is None else list(size)}, f, indent=2)
+                           'img_size': None if size is None else list(size), 'extent': args.extent}, f, indent=2)
     leave_process_group()
     return metrics
 

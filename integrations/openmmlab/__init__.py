@@ -11,8 +11,9 @@ and timm's models stay as they were. It
 * registers ``ParamwiseSummaryOptimWrapperConstructor`` in mmengine's root
   ``OPTIM_WRAPPER_CONSTRUCTORS`` (:mod:`.optim`): mmengine's default constructor, whose log
   states ``paramwise_cfg`` in a few lines instead of one per parameter;
-* registers the datasets ``PositionalShapes`` (the embedded set), ``CheckedImageNet``,
-  ``INaturalist2019`` and ``SubsampledDataset`` in mmpretrain's ``DATASETS`` (:mod:`.datasets`);
+* registers the datasets ``PositionalShapes`` (the embedded set), ``PositionalRelations`` (the
+  harder embedded benchmark), ``CheckedImageNet``, ``INaturalist2019`` and ``SubsampledDataset`` in
+  mmpretrain's ``DATASETS`` (:mod:`.datasets`);
 * adds the OpenMMLab attention families to :func:`posattn.swap_attention` (every ``swap_*``
   module here) and registers the config wrapper that swaps a backbone's attention;
 * lets posattn's own checkpoint reader (:func:`posattn.convert.read_checkpoint`) accept the types
@@ -59,7 +60,7 @@ import_mmpretrain_beside_transformers()  # before anything imports mmpretrain's 
 from .backbones import PosattnPerViT, PosattnViT  # noqa: E402
 from .checkpoint import posattn_checkpoint_loading
 from .checkpoint_hook import SafeCheckpointHook
-from .datasets import CheckedImageNet, PositionalShapes
+from .datasets import CheckedImageNet, PositionalRelations, PositionalShapes
 from .necks import PosattnSimpleFPN
 from .optim import ParamwiseSummaryOptimWrapperConstructor
 from .position_cache_hook import PositionCacheHook
@@ -72,5 +73,5 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f'{__name__}.{_module.name}')
 
 __all__ = ['PosattnPerViT', 'PosattnViT', 'PosattnSimpleFPN', 'ParamwiseSummaryOptimWrapperConstructor',
-           'PositionalShapes', 'CheckedImageNet', 'PosattnRunner', 'SafeCheckpointHook', 'RandomStateHook',
+           'PositionalShapes', 'PositionalRelations', 'CheckedImageNet', 'PosattnRunner', 'SafeCheckpointHook', 'RandomStateHook',
            'PositionCacheHook', 'posattn_checkpoint_loading', 'route_mmcv_ops_to_torchvision']

@@ -1,11 +1,11 @@
-"""mmpretrain datasets: the embedded positional-shapes set, ImageNet with a clear error when absent,
+"""mmpretrain datasets: the embedded positional-shapes and positional-relations sets, ImageNet with a clear error when absent,
 iNaturalist 2019 in its published layout, and a class-balanced subsample of any classification
 dataset."""
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, List, Mapping, Optional, Union
+from typing import Any, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 from mmengine.logging import print_log
@@ -14,9 +14,12 @@ from mmpretrain.registry import DATASETS
 
 from ._compat import set_default_classes
 from .data_checks import require_data
-from .shapes_dataset import CLASSES, render_shapes
+from .relations_dataset import CLASSES as RELATIONS_CLASSES
+from .relations_dataset import TRAIN_CANVAS, render_relations
+from .shapes_dataset import CLASSES as SHAPES_CLASSES
+from .shapes_dataset import render_shapes
 
-__all__ = ['PositionalShapes', 'CheckedImageNet', 'INaturalist2019', 'SubsampledDataset']
+__all__ = ['PositionalShapes', 'PositionalRelations', 'CheckedImageNet', 'INaturalist2019', 'SubsampledDataset']
 
 EMBEDDED_CONFIG = 'configs/pervit_t_shapes.py'
 IMAGENET_LAYOUT = """  {data_root}/train/<wnid>/*.JPEG  (e.g. train/n01440764/n01440764_10026.JPEG)
@@ -25,13 +28,10 @@ INATURALIST_LAYOUT = """  {data_root}/train2019.json, {data_root}/val2019.json  
   {data_root}/train_val2019/<supercategory>/<category id>/*.jpg  (the file_name of each image)"""
 
 
-@DATASETS.register_module()
-class PositionalShapes(BaseDataset):
-    """Two shapes per image, the class says which is left of which (see :mod:`.shapes_dataset`).
-
-    Generated in memory when the dataset is built, which logs one line (mmengine's current
-    logger): deterministic, no files, no download. The train and val splits come from different
-    seeds, so they share no image.
+class _GeneratedScenes(BaseDataset):
+    """An embedded set generated in memory when the dataset is built, which logs one line
+    (mmengine's current logger): deterministic, no files, no download. The train and val splits
+    come from different seeds, so they share no image.
 
     Args:
         split: 'train' or 'val'.
@@ -41,8 +41,8 @@ class PositionalShapes(BaseDataset):
         **kwargs: mmpretrain ``BaseDataset`` options (``pipeline``, ``test_mode``, ``indices``, ...).
     """
 
-    METAINFO = dict(classes=CLASSES)
     SPLIT_SEEDS = dict(train=0, val=1)
+    DESCRIPTION = ''  # what the log line calls the set
 
     def __init__(self, split: str = 'train', num_images: int = 6000, img_size: int = 64, seed: int = 0,
                  **kwargs: Any):
@@ -54,13 +54,60 @@ class PositionalShapes(BaseDataset):
         self.seed = seed
         super().__init__(ann_file='', **kwargs)
 
+    def render(self, seed: int) -> Tuple[np.ndarray, np.ndarray]:
+        """The split's images (N, H, W, 3) uint8 and labels (N,)."""
+        raise NotImplementedError
+
     def load_data_list(self) -> List[dict]:
         seed = 1000 * self.seed + self.SPLIT_SEEDS[self.split]
-        print_log(f'Generating the positional shapes {self.split} split in memory: {self.num_images} images of '
+        print_log(f'Generating the {self.DESCRIPTION} {self.split} split in memory: {self.num_images} images of '
                   f'{self.img_size} x {self.img_size} (seed {seed})', logger='current')
-        images, labels = render_shapes(self.num_images, self.img_size, seed=seed)
+        images, labels = self.render(seed)
         return [dict(img=image, img_shape=image.shape[:2], ori_shape=image.shape[:2], gt_label=int(label))
                 for image, label in zip(images, labels)]
+
+
+@DATASETS.register_module()
+class PositionalShapes(_GeneratedScenes):
+    """Two shapes per image, the class says which is left of which (see :mod:`.shapes_dataset`);
+    the arguments of :class:`_GeneratedScenes`."""
+
+    METAINFO = dict(classes=SHAPES_CLASSES)
+    DESCRIPTION = 'positional shapes'
+
+    def render(self, seed: int) -> Tuple[np.ndarray, np.ndarray]:
+        return render_shapes(self.num_images, self.img_size, seed=seed)
+
+
+@DATASETS.register_module()
+class PositionalRelations(_GeneratedScenes):
+    """Three target shapes among outlined distractors; the class says which target is leftmost and
+    which topmost (9 classes; see :mod:`.relations_dataset`).
+
+    Args:
+        canvas: the side, in pixels, of the frame the scenes are drawn in, at the training scale
+            (shapes keep their pixel sizes): ``img_size`` = ``canvas`` draws them as trained, a
+            larger pair more of the same scene kind on a larger image (the extent test), another
+            ``img_size`` alone the same scenes scaled (the scale test). None: ``img_size``'s default
+            training canvas, :data:`~.relations_dataset.TRAIN_CANVAS`.
+        **kwargs: those of :class:`_GeneratedScenes`.
+    """
+
+    METAINFO = dict(classes=RELATIONS_CLASSES)
+    DESCRIPTION = 'positional relations'
+
+    def __init__(self, *args: Any, canvas: Optional[int] = None, **kwargs: Any):
+        self.canvas = TRAIN_CANVAS if canvas is None else canvas
+        super().__init__(*args, **kwargs)
+
+    def render(self, seed: int) -> Tuple[np.ndarray, np.ndarray]:
+        return render_relations(self.num_images, self.img_size, seed=seed, canvas=self.canvas)
+
+    def load_data_list(self) -> List[dict]:
+        if self.canvas != TRAIN_CANVAS:
+            print_log(f'Positional relations drawn on a canvas of {self.canvas} pixels (training: {TRAIN_CANVAS}), '
+                      f'rendered at {self.img_size}', logger='current')
+        return super().load_data_list()
 
 
 @DATASETS.register_module()
