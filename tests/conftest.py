@@ -151,6 +151,14 @@ def gradcheck_layer(layer, x, hw):
     return torch.autograd.gradcheck(run, (x.requires_grad_(), *params), fast_mode=True)
 
 
+def load_test_tool():
+    """tools/test.py as a module (loaded by path: ``test`` is also the standard library's package)."""
+    spec = importlib.util.spec_from_file_location('tools_test', REPO / 'tools' / 'test.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_tool(*command, timeout, env=None):
     """Run ``command`` from the repository root (e.g. ``sys.executable, 'tools/train.py', ...``) and
     return its stdout + stderr; a non-zero exit fails the test with the tail of both."""

@@ -2,7 +2,6 @@
 checkout's .venv, else $PYTHON, else python on PATH), the clear error where that Python lacks torch,
 the commands they build (DRY_RUN=1 for torchrun; a recording srun on PATH for Slurm), and a real
 two-process training and evaluation on the CPU."""
-import importlib.util
 import json
 import os
 import shlex
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, needs_openmmlab
+from conftest import REPO, load_test_tool, needs_openmmlab
 
 SCRIPTS = ('_launch.sh', 'dist_train.sh', 'dist_test.sh', 'slurm_train.sh', 'slurm_test.sh')
 # The environment variables the scripts read, cleared so that the caller's own do not leak in.
@@ -187,9 +186,7 @@ def test_slurm_scripts_run_srun_with_the_openmmlab_options(checkout, tmp_path_fa
 @needs_openmmlab
 def test_the_tools_take_the_launchers_the_scripts_pass():
     import train  # tools/train.py, on the path from conftest
-    spec = importlib.util.spec_from_file_location('tools_test', REPO / 'tools' / 'test.py')  # not stdlib's test
-    test_tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(test_tool)
+    test_tool = load_test_tool()
     for launcher in ('pytorch', 'slurm'):
         assert train.parse_args(['c.py', '--work-dir', 'w', '--amp', '--launcher', launcher]).launcher == launcher
         assert test_tool.parse_args(['c.py', 'ck.pth', '--out', 'm.json', '--launcher', launcher]).launcher == launcher

@@ -3,7 +3,6 @@ targets' places, an oracle independent of how they were drawn), its rendering at
 scale, at another scale (the same scenes) and on a larger canvas (the same pixel sizes), the
 dataset, tools/test.py --extent, and the relations study (slow: a short run through
 tools/compare_phis.py)."""
-import importlib.util
 import json
 import subprocess
 import sys
@@ -17,7 +16,7 @@ require_openmmlab()  # before the OpenMMLab imports
 
 from mmengine.config import Config
 
-from conftest import REPO
+from conftest import REPO, load_test_tool
 from posattn_openmmlab.datasets import PositionalRelations
 from posattn_openmmlab.relations_dataset import (CLASSES, DISTRACTOR_RADIUS, DISTRACTORS, TARGET_RADIUS,
                                                  TRAIN_CANVAS, draw_scenes, render_relations)
@@ -51,7 +50,7 @@ def test_every_scene_is_of_its_class_by_the_targets_places(canvas):
             assert all(max(abs(d.cy - t.cy), abs(d.cx - t.cx)) >= d.radius + t.radius + 1 for t in found)
     labels = np.array([scene.label for scene in scenes])
     assert np.bincount(labels, minlength=len(CLASSES)).tolist() == [50] * len(CLASSES)
-    assert np.mean([len(scene.shapes) - 3 for scene in scenes]) > 1.5  # distractors in most images
+    assert np.mean([len(scene.shapes) > 3 for scene in scenes]) > 0.6  # most images show a distractor
 
 
 def test_the_same_arguments_give_the_same_bytes_and_another_seed_other_images():
@@ -112,13 +111,6 @@ def test_the_dataset_generates_its_split_with_its_canvas():
     expected, labels = render_relations(18, 96, seed=1, canvas=96)
     assert np.array_equal(np.stack([wide[i]['img'] for i in range(18)]), expected)
     assert [wide[i]['gt_label'] for i in range(18)] == labels.tolist()
-
-
-def load_test_tool():
-    spec = importlib.util.spec_from_file_location('tools_test', REPO / 'tools' / 'test.py')
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def relations_config():

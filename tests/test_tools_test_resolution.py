@@ -6,7 +6,6 @@ configs); the refusals; and, for each model family of the classification configs
 learned absolute embedding, one without, PerViT, a swapped mmpretrain ViT), a checkpoint trained at
 64 x 64 evaluated at 32, 96 and 128 through the tool, with what the model saw recorded by a hook
 (slow: tools/train.py in a subprocess)."""
-import importlib.util
 import json
 import sys
 
@@ -25,7 +24,7 @@ from mmengine.registry import HOOKS
 from mmpretrain.registry import MODELS, TRANSFORMS
 
 import posattn._memory
-from conftest import REPO, run_tool
+from conftest import REPO, load_test_tool, run_tool
 from posattn.attention import LogitsProbe
 from posattn_openmmlab.datasets import PositionalShapes
 from posattn_openmmlab.shapes_dataset import SCENE_SIZE, pixel_centres, render_shapes
@@ -49,14 +48,6 @@ WITH_PHI_BIAS = ('pervit_t_shapes.py', 'swap/deit-t_finetune-peripheral_shapes.p
 # A few iterations on a few images: these check the mechanics, not the accuracy.
 SHORT_TRAINING = ('train_dataloader.dataset.num_images=8', 'train_dataloader.batch_size=8', 'train_cfg.max_epochs=2')
 SHORT_TEST = (f'test_dataloader.dataset.num_images={TEST_IMAGES}', f'test_dataloader.batch_size={TEST_IMAGES}')
-
-
-def load_test_tool():
-    """tools/test.py as a module (its name, test, is the standard library's test package)."""
-    spec = importlib.util.spec_from_file_location('tools_test', REPO / 'tools' / 'test.py')
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 tool = load_test_tool()

@@ -240,7 +240,8 @@ def _test_tool():
 
 class SizeTest(NamedTuple):
     """A test of every run at other sizes, without fine-tuning: the study setting of its factors,
-    tools/test.py's option, the run record's key and folder, and its figure and words."""
+    tools/test.py's option, the run record's key and folder, its figure, and the words of its table's
+    heading, its figure's x axis and its figure's title."""
     factors_key: str
     option: str
     record_key: str
@@ -248,15 +249,16 @@ class SizeTest(NamedTuple):
     figure: str
     heading: str
     axis: str
+    title: str
 
 
 SIZE_TESTS = (
     SizeTest('test_size_factors', '--img-size', 'top1_at_size', 'resolution', 'resolution.png',
              'Top-1 (%) at each test size, without fine-tuning (scale: the same scenes drawn larger or smaller)',
-             'test size, times the training size (no fine-tuning)'),
+             'test size, times the training size (no fine-tuning)', 'at other input sizes'),
     SizeTest('test_extent_factors', '--extent', 'top1_at_extent', 'extent', 'extent.png',
              'Top-1 (%) on larger canvases, without fine-tuning (extent: the training scale, more tokens)',
-             'canvas side, times the training canvas (no fine-tuning)'),
+             'canvas side, times the training canvas (no fine-tuning)', 'on larger canvases'),
 )
 
 
@@ -521,9 +523,8 @@ def resolution_figure(table: list, runs: list, factors: Sequence[float], labels:
         for chance in labels['chance_top1']:
             axis.axhline(chance, color='grey', linewidth=1, linestyle=':', label=f'chance ({chance:.3g}%)')
         axis.set_xticks(factors, [f'{factor:g}x\n{size} px' for factor, size in zip(factors, sizes)])
-        kind = 'at other input sizes' if test is SIZE_TESTS[0] else 'on larger canvases'
         axis.set(xlabel=test.axis, ylabel='validation top-1 (%)',
-                 title=f'{labels["dataset"]} {kind}: mean over seeds, band from lowest to highest')
+                 title=f'{labels["dataset"]} {test.title}: mean over seeds, band from lowest to highest')
         axis.legend(fontsize=9, loc='upper left', bbox_to_anchor=(1.01, 1))  # beside the axes, clear of the lines
         fig.tight_layout()
     return fig
