@@ -133,6 +133,8 @@ def test_extent_and_scale_rewrite_the_relations_test_split():
     shapes = Config.fromfile(str(REPO / 'configs' / 'study' / 'deit-t-half_none_shapes.py'))
     with pytest.raises(ValueError, match='--extent draws PositionalRelations scenes.*PositionalShapes.*--img-size'):
         tool.set_test_extent(shapes, 128)
+    with pytest.raises(ValueError, match='--extent 16: a canvas must be >= 26 pixels'):
+        tool.set_test_extent(relations_config(), 16)
 
 
 def test_the_command_line_takes_a_scale_or_an_extent(capsys):

@@ -28,8 +28,9 @@ that size the images, to set by hand.
 
 ``--extent N`` tests the extent of a classifier trained on ``PositionalRelations``: its test scenes
 are drawn on a canvas of N x N pixels at the training scale (the shapes keep their pixel sizes;
-more tokens), where ``--img-size N`` draws the same scenes scaled. The two are exclusive. A size the test cannot fit in memory is an error before any
-test data are made (:func:`check_test_fits`): a batch of its images, or the attention of one image.
+more tokens), where ``--img-size N`` draws the same scenes scaled. The two are exclusive.
+
+A size the test cannot fit in memory is an error before any test data are made (:func:`check_test_fits`): a batch of its images, or the attention of one image.
 
 The size printed with the metrics and written to ``--out`` (``img_size``) is that of the images the
 model was tested on, however it was set (``--img-size``, the config, ``--cfg-options``): null where
@@ -57,6 +58,7 @@ from torch import nn
 from posattn._memory import check_fits
 from posattn.attention import LogitsProbe
 from posattn_openmmlab.class_checks import ClassCountMismatch
+from posattn_openmmlab.relations_dataset import MIN_CANVAS
 
 # Config keys that size a dataset's images, in the dataset and in its pipeline's transforms
 SIZE_KEYS = ('img_size', 'scale', 'crop_size', 'size')
@@ -272,6 +274,8 @@ def set_test_extent(cfg: Config, side: int) -> str:
     if _transform_type(dataset) != 'PositionalRelations':
         raise ValueError(f'--extent draws PositionalRelations scenes on a larger canvas; this config tests on '
                          f'{dataset.get("type")}: use --img-size, which scales the test images')
+    if side < MIN_CANVAS:
+        raise ValueError(f'--extent {side}: a canvas must be >= {MIN_CANVAS} pixels to hold three targets apart')
     before = _in_words(config_test_size(cfg))
     dataset.img_size = dataset.canvas = side
     return (f'the PositionalRelations test split drawn on a canvas of {side} x {side} pixels at the training scale '

@@ -32,7 +32,7 @@ import numpy as np
 
 from .shapes_dataset import SHAPES, shape_mask
 
-__all__ = ['CLASSES', 'TRAIN_CANVAS', 'DISTRACTORS', 'Shape', 'Scene', 'draw_scenes', 'render_relations']
+__all__ = ['CLASSES', 'TRAIN_CANVAS', 'MIN_CANVAS', 'DISTRACTORS', 'Shape', 'Scene', 'draw_scenes', 'render_relations']
 
 PAIRS: List[Tuple[int, int]] = list(itertools.product(range(len(SHAPES)), repeat=2))  # (leftmost, topmost)
 CLASSES = tuple(f'{SHAPES[left]} leftmost, {SHAPES[top]} topmost' for left, top in PAIRS)
@@ -43,6 +43,7 @@ DISTRACTORS = 2  # outlined shapes per image
 _OUTLINE = 1.5  # frame pixels of a distractor's outline
 _MARGIN = 4.0  # frame pixels by which the leftmost (topmost) target's centre leads the others'
 _NOISE_STD = 12.0
+MIN_CANVAS = int(2 * TARGET_RADIUS[1]) + 8  # the smallest canvas that holds three targets apart
 _TRIES = 1000  # draws of a scene's layout before giving up (a canvas too small for it)
 
 
@@ -95,9 +96,8 @@ class Scene(NamedTuple):
 def draw_scenes(num_images: int, seed: int = 0, canvas: int = TRAIN_CANVAS) -> List[Scene]:
     """``num_images`` scenes on a ``canvas``-pixel frame, their labels balanced (every class the same
     count to within one) in shuffled order; they depend on ``seed`` and ``canvas`` alone."""
-    if canvas < 2 * TARGET_RADIUS[1] + 8:
-        raise ValueError(f'a canvas of {canvas} pixels cannot hold three targets apart: use >= '
-                         f'{int(2 * TARGET_RADIUS[1] + 8)}')
+    if canvas < MIN_CANVAS:
+        raise ValueError(f'a canvas of {canvas} pixels cannot hold three targets apart: use >= {MIN_CANVAS}')
     rng = np.random.default_rng([seed, canvas])
     labels = np.arange(num_images, dtype=np.int64) % len(CLASSES)
     rng.shuffle(labels)
