@@ -407,7 +407,7 @@ def test_a_checkpoint_trained_at_64_evaluates_at_other_sizes(name, trained, tmp_
     for size in SIZES:
         metrics, written, seen = evaluate(name, checkpoint, tmp_path, size)
         assert np.isfinite(metrics['accuracy/top1']) and 0 <= metrics['accuracy/top1'] <= 100
-        assert written == dict(metrics, img_size=[size, size])
+        assert written == dict(metrics, img_size=[size, size], extent=None)
         (inputs,) = seen['inputs']  # one batch
         images, _ = render_shapes(TEST_IMAGES, img_size=size, seed=PositionalShapes.SPLIT_SEEDS['val'])
         expected = torch.from_numpy(images).permute(0, 3, 1, 2).float()
