@@ -597,12 +597,12 @@ def main(argv=None):
     (work_dir / 'comparison.json').write_text(json.dumps(record, indent=1))
     measures = nonlocality_markdown(table)
     text = markdown(table, runs) + '\n' + note + '\n' + ('\n' + measures if measures else '')
+    from posattn.analysis.figures import DEFAULT_DPI
     figures = []
     for test in SIZE_TESTS:
         factors = getattr(study, test.factors_key)
         if factors:
             text += f'\n{test.heading}:\n\n' + resolution_markdown(table, runs, factors, test)
-            from posattn.analysis.figures import DEFAULT_DPI
             save_figure(resolution_figure(table, runs, factors, labels, test), work_dir / test.figure, DEFAULT_DPI)
             figures.append(test.figure)
     (work_dir / 'comparison.md').write_text(text)

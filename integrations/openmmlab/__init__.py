@@ -73,5 +73,5 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f'{__name__}.{_module.name}')
 
 __all__ = ['PosattnPerViT', 'PosattnViT', 'PosattnSimpleFPN', 'ParamwiseSummaryOptimWrapperConstructor',
-           'PositionalShapes', 'PositionalRelations', 'CheckedImageNet', 'PosattnRunner', 'SafeCheckpointHook', 'RandomStateHook',
-           'PositionCacheHook', 'posattn_checkpoint_loading', 'route_mmcv_ops_to_torchvision']
+           'PositionalShapes', 'PositionalRelations', 'CheckedImageNet', 'PosattnRunner', 'SafeCheckpointHook',
+           'RandomStateHook', 'PositionCacheHook', 'posattn_checkpoint_loading', 'route_mmcv_ops_to_torchvision']

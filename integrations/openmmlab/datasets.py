@@ -1,6 +1,6 @@
-"""mmpretrain datasets: the embedded positional-shapes and positional-relations sets, ImageNet with a clear error when absent,
-iNaturalist 2019 in its published layout, and a class-balanced subsample of any classification
-dataset."""
+"""mmpretrain datasets: the embedded positional-shapes and positional-relations sets, ImageNet with
+a clear error when absent, iNaturalist 2019 in its published layout, and a class-balanced subsample
+of any classification dataset."""
 from __future__ import annotations
 
 import json

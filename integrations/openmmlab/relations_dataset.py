@@ -5,15 +5,15 @@ to :data:`DISTRACTORS` outlined shapes of the same kinds, which do not count, at
 sizes and colours on a noisy background (a distractor drawn over a target's box is left out: at
 the training canvas 62% of the images show one or two, on a 128-pixel canvas 98%). The class is
 the pair (leftmost target, topmost target), e.g. "square leftmost, circle topmost": 9 classes,
-chance 1/9. Every image shows the same three
-targets, so which shapes are present says nothing: only where the targets sit relative to each
-other, along both axes, decides, and a target is never in the same place relative to the image.
+chance 1/9. Every image shows the same three targets, so which shapes are present says nothing:
+only where the targets sit relative to each other, along both axes, decides, and a target is never
+in the same place relative to the image.
 
 Sizes are in pixels of the scene's frame: targets of half-side :data:`TARGET_RADIUS`, distractors
-of :data:`DISTRACTOR_RADIUS`, about a 16-pixel patch across, so that a token mostly shows one shape.
-The sizes, the distractors and the noise were calibrated on the study budget (docs/results.md):
-smaller targets (half-sides 4-7) and three distractors left every row at chance after 10 epochs. Images are drawn with numpy from a seeded generator: the same arguments give the same bytes
-on every machine, nothing is downloaded. Neither flip preserves the classes.
+of :data:`DISTRACTOR_RADIUS`, about a 16-pixel patch across, so that a token mostly shows one shape;
+sizes, distractors and noise are set so that the study budget separates the rows (docs/results.md).
+Images are drawn with numpy from a seeded generator: the same arguments give the same bytes on
+every machine, nothing is downloaded. Neither flip preserves the classes.
 
 Two ways to test at another size, each a question of its own:
 
@@ -30,9 +30,10 @@ from typing import List, NamedTuple, Tuple
 
 import numpy as np
 
-from .shapes_dataset import SHAPES, shape_mask
+from .shapes_dataset import SHAPES, pixel_centres, shape_mask
 
-__all__ = ['CLASSES', 'TRAIN_CANVAS', 'MIN_CANVAS', 'DISTRACTORS', 'Shape', 'Scene', 'draw_scenes', 'render_relations']
+__all__ = ['CLASSES', 'TRAIN_CANVAS', 'MIN_CANVAS', 'DISTRACTORS', 'Shape', 'Scene', 'draw_scenes',
+           'render_relations']
 
 PAIRS: List[Tuple[int, int]] = list(itertools.product(range(len(SHAPES)), repeat=2))  # (leftmost, topmost)
 CLASSES = tuple(f'{SHAPES[left]} leftmost, {SHAPES[top]} topmost' for left, top in PAIRS)
@@ -135,7 +136,7 @@ def render_relations(num_images: int, img_size: int = TRAIN_CANVAS, seed: int = 
         raise ValueError(f'img_size {img_size}: the images must be >= 8 pixels')
     scenes = draw_scenes(num_images, seed, canvas)
     noise_rng = np.random.default_rng([seed, canvas, img_size])
-    centres = ((np.arange(img_size) + 0.5) * (canvas / img_size) - 0.5).astype(np.float32)
+    centres = pixel_centres(img_size, canvas)
     ys, xs = np.meshgrid(centres, centres, indexing='ij')
     images = np.empty((num_images, img_size, img_size, 3), np.uint8)
     for index, scene in enumerate(scenes):

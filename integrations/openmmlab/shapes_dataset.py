@@ -46,10 +46,10 @@ def shape_mask(shape: int, cy: float, cx: float, radius: float, ys: np.ndarray, 
     return (depth >= 0) & (depth <= 1) & (np.abs(dx) <= depth * radius)
 
 
-def pixel_centres(img_size: int) -> np.ndarray:
-    """Centres of the pixels of an ``img_size`` side, in :data:`SCENE_SIZE`-frame coordinates (pixel
-    i of the frame is at i), (img_size,) float32; at ``SCENE_SIZE`` exactly 0, 1, ..., 63."""
-    return ((np.arange(img_size) + 0.5) * (SCENE_SIZE / img_size) - 0.5).astype(np.float32)
+def pixel_centres(img_size: int, frame: int = SCENE_SIZE) -> np.ndarray:
+    """Centres of the pixels of an ``img_size`` side, in the coordinates of a ``frame``-pixel frame
+    (pixel i of the frame is at i), (img_size,) float32; at ``frame`` exactly 0, 1, ..., frame - 1."""
+    return ((np.arange(img_size) + 0.5) * (frame / img_size) - 0.5).astype(np.float32)
 
 
 def render_shapes(num_images: int, img_size: int = SCENE_SIZE, seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:

@@ -1,6 +1,6 @@
 """Hugging Face ``transformers`` (>= 5) vision transformers: ViT, DeiT (class and distillation
-tokens), ViT-MSN, I-JEPA, Pixio (several class tokens), DINOv2 (with and without registers), BEiT and Data2VecVision, Swin, and the vision towers of
-CLIP, Chinese-CLIP, SigLIP and AIMv2.
+tokens), ViT-MSN, I-JEPA, Pixio (several class tokens), DINOv2 (with and without registers), BEiT
+and Data2VecVision, Swin, and the vision towers of CLIP, Chinese-CLIP, SigLIP and AIMv2.
 
 Each layer's attention holds separate ``q_proj``, ``k_proj``, ``v_proj`` and an output projection
 (``o_proj``; CLIP's and SigLIP's ``out_proj``), and runs the attention function that the model's
