@@ -252,7 +252,9 @@ class PeripheralPhi(PositionalModule):
         _refuse_function_transforms()
         embedding = self.embedding_of(distance_embedding)
         device_type = self.proj2_weight.device.type
-        if not torch.amp.is_autocast_available(device_type):  # e.g. 'meta': nothing to turn off
+        # Some devices ('meta') have no autocast to turn off. Under torch.compile the device is a real
+        # one, and some torch releases (2.11) cannot trace the availability check.
+        if not (torch.compiler.is_compiling() or torch.amp.is_autocast_available(device_type)):
             return self._log_position_attention(height, width, embedding)
         with torch.autocast(device_type, enabled=False):
             return self._log_position_attention(height, width, embedding)
