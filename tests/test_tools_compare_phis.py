@@ -396,6 +396,32 @@ def test_every_table_gives_the_mean_the_standard_deviation_and_the_number_of_see
     assert '| APE | 82.0 ± 2.0 (3 seeds) | 92.0 ± 2.0 (3 seeds) |' in resolution
 
 
+def test_a_difference_carries_welchs_t_interval():
+    # Oracle by hand: means 2 and 5, variances 1 and 1, standard error sqrt(1/3 + 1/3); Welch's
+    # degrees of freedom (2/3)^2 / (2 (1/3)^2 / 2) = 4, and t(0.975, 4) = 2.7764451 from a table.
+    difference, low, high = tool.difference_interval([1.0, 2.0, 3.0], [4.0, 5.0, 6.0])
+    half_width = 2.7764451 * (2 / 3) ** 0.5
+    assert difference == pytest.approx(-3.0)
+    assert (low, high) == (pytest.approx(-3.0 - half_width, abs=1e-6), pytest.approx(-3.0 + half_width, abs=1e-6))
+    assert tool.difference_interval([1.0], [4.0, 5.0]) is None
+    assert tool.difference_interval([2.0, 2.0], [1.0, 1.0]) == (1.0, 1.0, 1.0)
+
+
+def test_the_ranking_says_which_differences_the_seed_decides():
+    finals = dict(a=(90.0, 91.0, 92.0), b=(70.0, 80.0, 90.0), c=(10.0, 11.0, 12.0))
+    runs = [dict(row=row, seed=seed, top1_per_epoch=[final], params=1e6, wall_s=60.0,
+                 top1_at_size={'64': 100.0 - final})
+            for row, values in finals.items() for seed, final in enumerate(values)]
+    config = 'study/deit-t-half_ape_shapes.py'
+    rows = {name: Row(name, config, ROOT / 'configs' / config, name.upper()) for name in finals}
+    lines = tool.ranking_markdown(tool.summarise(runs, rows), runs).splitlines()
+    assert lines[2].startswith('| 1 | A | 91.0 ± 1.0 (3 seeds) | +11.0 [') and lines[2].endswith('| the seed decides |')
+    assert lines[3].startswith('| 2 | B | 80.0 ± 10.0 (3 seeds) | +69.0 [') and lines[3].endswith('| apart |')
+    assert lines[4] == '| 3 | C | 11.0 ± 1.0 (3 seeds) | | |'
+    at_size = tool.ranking_markdown(tool.summarise(runs, rows), runs, ('top1_at_size', '64')).splitlines()
+    assert [line.split(' | ')[1] for line in at_size[2:]] == ['C', 'B', 'A']
+
+
 def test_the_resolution_experiment_tests_each_row_at_half_to_twice_its_training_size():
     study = load_study(STUDIES / 'resolution.py')
     assert set(study.rows) >= {'none', 'ape', 'peg', 'irpe', 'peripheral', 'pervit_t', 'rope', 'rpb', 'alibi', 'gpsa'}

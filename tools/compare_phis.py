@@ -79,7 +79,9 @@ to rerun it. Writes to the work dir: ``comparison.json`` (every run: validation 
 parameters, wall time, top-1 per test size, and ``logged_step_time_s``, the median step time over
 mmengine's logged windows of the run, which other jobs on the machine inflate; the table, the step
 timing and the figures' labels), ``comparison.md`` (the tables: mean ± standard deviation over seeds
-with their number, the range, and per seed the first epoch at 95% top-1) and ``comparison.png``
+with their number, the range, and per seed the first epoch at 95% top-1; the rows ranked, by final
+top-1 and at the largest test size of each test, each against the next with Welch's 95% t-interval
+of the difference over seeds, "apart" where it excludes 0, else "the seed decides") and ``comparison.png``
 (validation top-1 per epoch, and final top-1 against step time); a study with test sizes adds
 ``resolution.png`` (top-1 against test size, a band over seeds) and ``resolution.log``, one with
 test extents ``extent.png`` and ``extent.log``.
@@ -106,6 +108,7 @@ from mmengine.config import Config, DictAction
 
 DEFAULT_STUDY = 'table2'
 ANALYSED_IMAGES = 256
+CONFIDENCE = 0.95  # of the intervals of the rankings' differences
 TARGET_TOP1 = 95.0  # "epochs to reach": how fast each row learns, where most end near 100%
 SKIPPED_LOGGED_WINDOWS = 1  # the first logged window of each run holds warm-up (allocation, first batches)
 RUN_RECORD = 'run.json'  # per finished run: what read_run found and the wall time; lets a rerun reuse it
@@ -435,6 +438,48 @@ def resolution_markdown(table: list, runs: list, factors: Sequence[float], test:
     return '\n'.join(lines) + '\n'
 
 
+def difference_interval(above: Sequence[float], below: Sequence[float],
+                        confidence: float = CONFIDENCE) -> Optional[tuple]:
+    """Mean of ``above`` minus mean of ``below`` (per-seed values of two rows) and Welch's t-interval
+    for it at ``confidence``: (difference, low, high); None where a row has one seed. Two rows
+    without any spread get the difference as both ends."""
+    if len(above) < 2 or len(below) < 2:
+        return None
+    difference = statistics.fmean(above) - statistics.fmean(below)
+    if statistics.stdev(above) == 0 and statistics.stdev(below) == 0:
+        return difference, difference, difference
+    from scipy.stats import ttest_ind
+    low, high = ttest_ind(above, below, equal_var=False).confidence_interval(confidence)
+    return difference, float(low), float(high)
+
+
+def ranking_markdown(table: list, runs: list, column: Optional[tuple] = None) -> str:
+    """The rows ranked by mean top-1, each against the next: the difference of the means with its
+    Welch t-interval over seeds, and whether it tells them apart (the interval excludes 0) or the seed
+    decides. ``column``: (record key, size) for a test column, else the final validation top-1."""
+    def values(row):
+        mine = [run for run in runs if run['row'] == row]
+        if column is None:
+            return [run['top1_per_epoch'][-1] for run in mine]
+        return [run[column[0]][column[1]] for run in mine]
+    ranked = sorted(((line['model'], values(line['row'])) for line in table),
+                    key=lambda item: statistics.fmean(item[1]), reverse=True)
+    lines = [f'| rank | model | top-1 (%) | minus the next, {CONFIDENCE:.0%} interval (points) | |',
+             '|---|---|---|---|---|']
+    for rank, ((model, mine), below) in enumerate(zip(ranked, ranked[1:] + [None]), 1):
+        interval = None if below is None else difference_interval(mine, below[1])
+        if below is None:
+            cells = '|'
+        elif interval is None:
+            cells = '- | one seed'
+        else:
+            difference, low, high = interval
+            verdict = 'apart' if low > 0 or high < 0 else 'the seed decides'
+            cells = f'{difference:+.1f} [{low:+.1f}, {high:+.1f}] | {verdict}'
+        lines.append(f'| {rank} | {model} | {mean_std(mine)} | {cells} |')
+    return '\n'.join(lines) + '\n'
+
+
 def nonlocality_markdown(table: list) -> str:
     """Ω of Φa and Φp per layer (means over heads and seeds) of the measured rows; '' if none."""
     measured = [line for line in table if line['nonlocality']]
@@ -597,12 +642,16 @@ def main(argv=None):
     (work_dir / 'comparison.json').write_text(json.dumps(record, indent=1))
     measures = nonlocality_markdown(table)
     text = markdown(table, runs) + '\n' + note + '\n' + ('\n' + measures if measures else '')
+    text += '\nRanking by final validation top-1:\n\n' + ranking_markdown(table, runs)
     from posattn.analysis.figures import DEFAULT_DPI
     figures = []
     for test in SIZE_TESTS:
         factors = getattr(study, test.factors_key)
         if factors:
             text += f'\n{test.heading}:\n\n' + resolution_markdown(table, runs, factors, test)
+            largest = max(runs[0][test.record_key], key=int)
+            text += (f'\nRanking at {largest} px ({test.option}):\n\n'
+                     + ranking_markdown(table, runs, (test.record_key, largest)))
             save_figure(resolution_figure(table, runs, factors, labels, test), work_dir / test.figure, DEFAULT_DPI)
             figures.append(test.figure)
     (work_dir / 'comparison.md').write_text(text)

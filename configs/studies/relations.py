@@ -17,6 +17,8 @@ rows = [
          options=_clipped),
     dict(name='rope', config='study/deit-t-half_rope_shapes.py', label='RoPE-Mixed, no APE', options=_clipped),
     dict(name='rpb', config='study/deit-t-half_rpb_shapes.py', label='bias table (rpb), no APE', options=_clipped),
+    dict(name='decomposed_rpb', config='study/deit-t-half_decomposed_rpb_shapes.py',
+         label='decomposed tables (MViTv2, SAM), no APE', options=_clipped),
     dict(name='alibi', config='study/deit-t-half_alibi_shapes.py', label='2D ALiBi, no APE', options=_clipped),
     dict(name='gpsa', config='study/deit-t-half_gpsa_shapes.py', label='GPSA + APE', options=_clipped),
 ]
