@@ -10,6 +10,7 @@ from torch import nn
 from ._memory import check_fits
 from .functional import attention_probs, biased_attention
 from .grid import GridLike, TokenGrid
+from .layout import ImageLayout
 from .phi import PositionalModule, build_layer_phi
 from .phi.registry import PhiOptions, PhiSpec
 
@@ -97,9 +98,11 @@ class Attention(nn.Module):
         self.proj_drop = nn.Dropout(proj_drop)
         self.logits_probe = LogitsProbe()
 
-    def forward(self, x: torch.Tensor, hw: GridLike, key_mask: Optional[torch.Tensor] = None,
+    def forward(self, x: torch.Tensor, hw: Union[GridLike, ImageLayout], key_mask: Optional[torch.Tensor] = None,
                 **call_inputs: Any) -> torch.Tensor:
-        """x: (B, N, C) with N = num_prefix_tokens + H * W; hw: (H, W) or a TokenGrid.
+        """x: (B, N, C) with N = num_prefix_tokens + H * W; hw: (H, W) or a TokenGrid. Or, for images
+        of different grids in one tensor, x: (B, L, C) and hw: an :class:`~posattn.layout.ImageLayout`
+        (padded or packed): each image attends within itself as it would alone (:meth:`_forward_per_image`).
 
         ``key_mask``: None, or a bool (B, N) that is False for keys no query may attend to (padding
         tokens of windowed attention). A sequence with no key left attends to nothing: its
@@ -107,6 +110,8 @@ class Attention(nn.Module):
         ``call_inputs``: what the Φp reads that it does not own, declared as its ``call_inputs``
         (PerViT's ``distance_embedding=``), passed on to its hooks.
         """
+        if isinstance(hw, ImageLayout):
+            return self._forward_per_image(x, hw, key_mask, **call_inputs)
         grid = self.grid_of(x, hw)
         given = self.given(call_inputs)
         if self.phi.contributes('tokens'):
@@ -118,6 +123,33 @@ class Attention(nn.Module):
             q = k = self._no_content(v)
         out = self.attend(q, k, v, grid, key_mask, given=given)
         return self.proj_drop(self.proj(out))
+
+    def _forward_per_image(self, x: torch.Tensor, layout: ImageLayout, key_mask: Optional[torch.Tensor],
+                           **call_inputs: Any) -> torch.Tensor:
+        """The layer on a batch of images of different grids: the images of each distinct grid are
+        gathered into one batch (images, N, C), run through the single-grid path, and put back in
+        place. (B, L, C) -> (B, L, C), zero at tokens of no image; ``key_mask`` (B, L) as the layout."""
+        self.check_layout(x, layout)
+        if key_mask is not None and not (isinstance(key_mask, torch.Tensor) and key_mask.dtype == torch.bool
+                                         and key_mask.shape == x.shape[:2]):
+            got = (f'{key_mask.dtype} of shape {tuple(key_mask.shape)}' if isinstance(key_mask, torch.Tensor)
+                   else f'a {type(key_mask).__name__}')
+            raise ValueError(f'key_mask must be a bool tensor of shape (B, L) = {tuple(x.shape[:2])}, as the '
+                             f'tokens, got {got}')
+        out = x.new_zeros(x.shape[0] * x.shape[1], self.proj.out_features)
+        for group in layout.groups(x.device):
+            mask = None if key_mask is None else layout.gather(key_mask, group)
+            out = out.index_copy(0, group.index.flatten(),
+                                 self(layout.gather(x, group), group.grid, mask, **call_inputs).flatten(0, 1))
+        return out.view(x.shape[0], x.shape[1], -1)
+
+    def check_layout(self, x: torch.Tensor, layout: ImageLayout) -> None:
+        """Raise a ValueError unless ``x`` (B, L, C) holds ``layout``'s images with this layer's prefix tokens."""
+        self._check_input(x)
+        layout.check_tokens(x)
+        if layout.num_prefix_tokens != self.num_prefix_tokens:
+            raise ValueError(f'the images of this {layout} have {layout.num_prefix_tokens} prefix tokens; '
+                             f'this layer has {self.num_prefix_tokens}')
 
     def taking(self, offered: Mapping[str, Any]) -> Dict[str, Any]:
         """Of what a model offers every layer (its shared state), what this layer's Φp declares it reads:

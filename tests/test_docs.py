@@ -47,6 +47,22 @@ def test_position_cache_example():
         phi.position_cache is None for phi in model.modules() if isinstance(phi, posattn.PositionalModule))
 
 
+def test_native_resolution_example():
+    """docs/models.md's block as written: a list of images gives each image's logits alone, and the
+    layouts' shapes are those its comments give."""
+    (example,) = [block for block in python_blocks(DOCS / 'models.md') if 'ImageLayout' in block]
+    namespace = {}
+    torch.manual_seed(0)
+    with torch.no_grad():
+        exec(compile(example, 'docs/models.md', 'exec'), namespace)
+        model, images = namespace['model'].eval(), namespace['images']
+        alone = torch.cat([model(image[None]) for image in images])
+        torch.testing.assert_close(model(images), alone, rtol=0, atol=1e-5)
+    assert namespace['logits'].shape == (3, 10) and namespace['x'].shape == (3, 141, 64)
+    assert [tuple(t.shape) for t in namespace['per_image']] == [(141, 64), (85, 64), (65, 64)]
+    assert namespace['out'].shape == (1, 291, 64)
+
+
 def test_quickstart_example_runs():
     import subprocess
     import sys

@@ -18,6 +18,7 @@ from einops import rearrange
 from torch import nn
 
 from ..grid import TokenGrid
+from ..layout import run_by_size
 from .registry import load_checkpoint
 
 __all__ = ['BlockStackApi', 'ClassifierApi', 'resolve_block_indices', 'take_indices', 'tokens_as_map']
@@ -72,8 +73,14 @@ class ClassifierApi:
     """timm's classifier API on a posattn model with ``head``, ``num_features``, ``num_classes``,
     ``global_pool`` (checked by its ``_checked_pool``), ``forward_features`` and ``forward_head``."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Images (B, C, H, W) -> ``forward_head(forward_features(x))``: logits (B, num_classes)."""
+    def forward(self, x: Union[torch.Tensor, Sequence[torch.Tensor]]) -> torch.Tensor:
+        """Images (B, C, H, W) -> ``forward_head(forward_features(x))``: logits (B, num_classes).
+
+        Or a list of images (C, H_i, W_i) of different sizes, each at its own resolution: the images
+        of each size run as one batch (:func:`posattn.layout.run_by_size`), and the logits
+        (len(x), num_classes) are each image's alone, in the list's order."""
+        if isinstance(x, (list, tuple)):
+            return run_by_size(self.forward, x)
         return self.forward_head(self.forward_features(x))
 
     def get_classifier(self) -> nn.Module:
@@ -147,6 +154,9 @@ class BlockStackApi:
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> the last block's output through the final norm (``_as_features``)."""
+        if isinstance(x, (list, tuple)):
+            raise TypeError('forward_features takes one batch (B, C, H, W): features of images of different '
+                            'sizes do not stack. Give the list to the model itself (logits), or batch by size')
         x, grid = self.embed_tokens(x)
         for _, x in self.iter_blocks(x, grid):
             pass

@@ -14,16 +14,17 @@ import json
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 from ..attention import Attention
 from ..grid import TokenGrid
+from ..layout import ImageLayout
 from ..phi import PhiStack, PositionalModule, build_layer_phi
 from ..phi.registry import PhiSpec, checked_phi_list
-from .token_grids import GridTracker
+from .token_grids import GridTracker, PatchGrid
 
 __all__ = ['AttentionSite', 'SwapPlan', 'SwappedAttention', 'GridTracker', 'register_family', 'swap_attention',
            'parameters_added_by_swap', 'load_original_weights', 'AddedParametersWarning', 'described', 'imported',
@@ -88,6 +89,10 @@ class SwapPlan:
         fixed_positions: where the model adds absolute positions that are no parameter (a sinusoidal
             embedding computed in its forward), what they are: ``own_positions=False`` cannot drop
             them and is refused with it; None where every absolute embedding is listed above.
+        patch_grid: how a call of ``patch_projection`` gives the grid, where its output is not
+            (B, C, H, W): ``patch_grid(module, args, kwargs, output)`` returns (H, W), or an
+            :class:`~posattn.layout.ImageLayout` for a batch whose images each have their own grid
+            (timm's NaFlexViT).
     """
     family: str
     sites: List[AttentionSite]
@@ -99,6 +104,7 @@ class SwapPlan:
     kept_phi: Callable[[AttentionSite, int], List[PositionalModule]] = lambda site, index: []  # none kept
     installed: Optional[Callable[[AttentionSite, 'SwappedAttention'], None]] = None
     fixed_positions: Optional[str] = None
+    patch_grid: Optional[PatchGrid] = None
 
 
 def packs_self_attention(mha: nn.MultiheadAttention) -> bool:
@@ -153,10 +159,11 @@ class SwappedAttention(Attention):
         for name in names:
             setattr(self, name, getattr(old, name))
 
-    def current_grid(self, *tensors: Optional[torch.Tensor]) -> TokenGrid:
-        """The grid of this call's tokens, from the model's patch embedding (:class:`GridTracker`);
-        ``tensors``: what this call was given besides its input tokens (the block's input, where
-        the model passes it), by which an activation-checkpointing recompute finds its grid."""
+    def current_grid(self, *tensors: Optional[torch.Tensor]) -> Union[TokenGrid, ImageLayout]:
+        """The grid of this call's tokens, from the model's patch embedding (:class:`GridTracker`),
+        or the layout of a batch whose images each have their own grid; ``tensors``: what this call
+        was given besides its input tokens (the block's input, where the model passes it), by which
+        an activation-checkpointing recompute finds its grid."""
         return self.grid_tracker.grid(self.num_prefix_tokens, *tensors)
 
     def attention_output(self, x: torch.Tensor, *tensors: Optional[torch.Tensor],
@@ -173,12 +180,33 @@ class SwappedAttention(Attention):
                 or the adapter computes from the model's own parameters: the Φp receives those it
                 declares as its ``call_inputs``.
         """
-        grid = self.grid_of(x, self.current_grid(*tensors))
-        given = self.phi.given(self.taking(offered))
+        where = self.current_grid(*tensors)
+        if isinstance(where, ImageLayout):
+            return self._output_per_image(x, where, attn_mask, offered)
+        return self._output_on_grid(x, self.grid_of(x, where), attn_mask, self.phi.given(self.taking(offered)))
+
+    def _output_on_grid(self, x: torch.Tensor, grid: TokenGrid, attn_mask: Optional[torch.Tensor],
+                        given: Mapping[str, Any]) -> torch.Tensor:
         tokens = self.phi.tokens(x, grid, **given) if self.phi.contributes('tokens') else x
         q, k, v = self.split_heads(self.project_qkv(tokens))
         out = self.attend(q, k, v, grid, attn_mask=attn_mask, given=given)
         return self.proj_drop(self.proj(self.before_projection(out, x)))
+
+    def _output_per_image(self, x: torch.Tensor, layout: ImageLayout, attn_mask: Optional[torch.Tensor],
+                          offered: Mapping[str, Any]) -> torch.Tensor:
+        """:meth:`attention_output` on a batch of images of different grids (B, L, C): the images of
+        each grid gathered into one batch and put back, as :class:`posattn.Attention` does with a
+        layout; zero at tokens of no image. The layout says which tokens attend to which, so the
+        family's adapter has checked or dropped the model's padding mask; no other mask is taken."""
+        if attn_mask is not None or any(self.reads(name) for name in offered):
+            raise ValueError('a swapped attention on images of different grids takes no attention mask '
+                             'and no per-call positional input: each image attends within its own grid')
+        self.check_layout(x, layout)
+        out = x.new_zeros(x.shape[0] * x.shape[1], self.proj.out_features)
+        for group in layout.groups(x.device):
+            image_out = self._output_on_grid(layout.gather(x, group), group.grid, None, self.phi.given({}))
+            out = out.index_copy(0, group.index.flatten(), image_out.flatten(0, 1))
+        return out.view(x.shape[0], x.shape[1], -1)
 
     def reads(self, name: str) -> bool:
         """Whether the layer's Φp reads ``name`` given with the call: an adapter computes a term of the
@@ -222,8 +250,9 @@ _REFUSED: Dict[str, str] = {
     'transformers.models.yolos.modeling_yolos.YolosModel': "YOLOS appends its detection tokens after the patch "
                                                           'tokens: posattn lays the extra tokens before the grid',
     'transformers.models.siglip2.modeling_siglip2.Siglip2VisionModel': "SigLIP 2 (NaFlex) runs each image at its own "
-                                                                       'grid, padded to one length: posattn takes one '
-                                                                       'grid per call',
+                                                                       'grid, padded to one length: posattn reads '
+                                                                       "per-image grids from timm's NaFlexVit, not "
+                                                                       "from transformers' SigLIP 2",
     'transformers.models.hiera.modeling_hiera.HieraModel': "Hiera's mask-unit attention pools its queries between "
                                                            'stages: its queries are not the key grid',
     'transformers.models.dinov3_vit.modeling_dinov3_vit.DINOv3ViTModel': "DINOv3's RoPE over patch coordinates is not "
@@ -266,7 +295,7 @@ def _refusal(model: nn.Module) -> str:
     seen = (f' (its attention modules, {", ".join(attentions[:4])}{", ..." if len(attentions) > 4 else ""}, are '
             'of no family swap_attention knows)' if attentions else ' (it has no module named as an attention)')
     return (f'no supported attention in {described(model)}{seen}; swap_attention knows timm\'s VisionTransformer, '
-            "Eva, Beit, VisionTransformerRelPos, VisionTransformerSAM, ConVit and SwinTransformer, torchvision's "
+            "NaFlexVit, Eva, Beit, VisionTransformerRelPos, VisionTransformerSAM, ConVit and SwinTransformer, torchvision's "
             "VisionTransformer and SwinTransformer, transformers' ViT, DeiT, ViT-MSN, I-JEPA, Pixio, DINOv2, BEiT, "
             'Data2VecVision, Swin and CLIP, Chinese-CLIP, SigLIP and AIMv2 vision models, and (with posattn_openmmlab '
             'imported) the OpenMMLab ViTs and Swin')
@@ -362,7 +391,7 @@ def swap_attention(model: nn.Module, phi: PhiSpec = 'peripheral', *, own_positio
         if isinstance(target, AttentionSite):
             setattr(target.parent, target.name, replacement)
         else:
-            replacement.attach(target.patch_projection, [site.parent for site in target.sites])
+            replacement.attach(target.patch_projection, [site.parent for site in target.sites], target.patch_grid)
     for install in installs:
         install()
     if not own_positions:

@@ -24,20 +24,25 @@ from __future__ import annotations
 import threading
 import weakref
 from contextvars import ContextVar
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..grid import TokenGrid
+from ..layout import ImageLayout
 
-__all__ = ['GridTracker']
+__all__ = ['GridTracker', 'PatchGrid']
 
 HW = Tuple[int, int]
+# What a call's patch embedding gives: one (H, W) for every image, or a grid per image.
+Where = Union[HW, ImageLayout]
+# How a family reads it from its patch embedding's call: (module, args, kwargs, output) -> Where.
+PatchGrid = Callable[[nn.Module, Tuple[Any, ...], Dict[str, Any], Any], Where]
 # Per context: tracker -> (H, W) of the latest patch embedding, and of the innermost running block.
-_PATCH_GRIDS: ContextVar[Mapping['GridTracker', HW]] = ContextVar('posattn_patch_grids', default={})
-_BLOCK_GRIDS: ContextVar[Mapping['GridTracker', HW]] = ContextVar('posattn_block_grids', default={})
+_PATCH_GRIDS: ContextVar[Mapping['GridTracker', Where]] = ContextVar('posattn_patch_grids', default={})
+_BLOCK_GRIDS: ContextVar[Mapping['GridTracker', Where]] = ContextVar('posattn_block_grids', default={})
 _BLOCK_TOKENS: ContextVar[Tuple[Any, ...]] = ContextVar('posattn_block_tokens', default=())
 
 
@@ -69,12 +74,12 @@ class _TensorGrids:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()  # RLock: a weak reference's callback may fire inside
-        self._by_storage: Dict[Tuple[Any, ...], Tuple[weakref.ref, HW]] = {}
+        self._by_storage: Dict[Tuple[Any, ...], Tuple[weakref.ref, Where]] = {}
 
     def __len__(self) -> int:
         return len(self._by_storage)
 
-    def tag(self, tensor: torch.Tensor, hw: HW) -> None:
+    def tag(self, tensor: torch.Tensor, hw: Where) -> None:
         key = _storage_key(tensor)
         if key is None:
             return
@@ -87,7 +92,7 @@ class _TensorGrids:
         with self._lock:
             self._by_storage[key] = (weakref.ref(tensor, forget), hw)
 
-    def find(self, tensors: Iterable[torch.Tensor]) -> Optional[HW]:
+    def find(self, tensors: Iterable[torch.Tensor]) -> Optional[Where]:
         for tensor in tensors:
             key = _storage_key(tensor)
             if key is None:
@@ -110,10 +115,15 @@ class GridTracker:
     def __init__(self) -> None:
         self.handles: List[RemovableHandle] = []
         self._tagged = _TensorGrids()
-        self._traced_hw: Optional[HW] = None
+        self._traced_hw: Optional[Where] = None
+        self._patch_grid: PatchGrid = _output_grid
 
-    def attach(self, patch_projection: nn.Module, blocks: Iterable[nn.Module]) -> 'GridTracker':
-        self.handles.append(patch_projection.register_forward_hook(self._record_patch_grid))
+    def attach(self, patch_projection: nn.Module, blocks: Iterable[nn.Module],
+               patch_grid: Optional[PatchGrid] = None) -> 'GridTracker':
+        """``patch_grid``: how the patch embedding's call gives the grid, (H, W) or a layout of a
+        grid per image; by default its output, (B, C, H, W)."""
+        self._patch_grid = patch_grid or _output_grid
+        self.handles.append(patch_projection.register_forward_hook(self._record_patch_grid, with_kwargs=True))
         for block in dict.fromkeys(blocks):  # once each, in order
             self.handles.append(block.register_forward_pre_hook(self._enter_block, with_kwargs=True))
             self.handles.append(block.register_forward_hook(self._leave_block, always_call=True))
@@ -128,23 +138,26 @@ class GridTracker:
         # A copied model gets its own tracker; its hooks are copied with the modules' hook dicts
         # and refer to the copy's bound methods through the memo.
         copy = GridTracker()
+        copy._patch_grid = self._patch_grid
         memo[id(self)] = copy
         return copy
 
     def __getstate__(self) -> Dict[str, Any]:
-        return {}
+        return {'patch_grid': self._patch_grid}  # a module-level function, pickled by name
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__init__()
+        self._patch_grid = state.get('patch_grid', _output_grid)
 
-    def _record_patch_grid(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not (isinstance(output, torch.Tensor) and output.dim() == 4):
-            raise RuntimeError(f'the patch projection {type(module).__name__} should give (B, C, H, W), '
-                               f'got {getattr(output, "shape", type(output))}')
+    def _record_patch_grid(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                           output: Any) -> None:
+        where = self._patch_grid(module, args, kwargs, output)
         if torch.compiler.is_compiling():  # sizes stay symbolic, so export can keep them dynamic
-            self._traced_hw = (output.shape[-2], output.shape[-1])
+            self._traced_hw = where
         else:
-            _PATCH_GRIDS.set({**_PATCH_GRIDS.get(), self: (int(output.shape[-2]), int(output.shape[-1]))})
+            if not isinstance(where, ImageLayout):
+                where = (int(where[0]), int(where[1]))
+            _PATCH_GRIDS.set({**_PATCH_GRIDS.get(), self: where})
 
     def _enter_block(self, block: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         if torch.compiler.is_compiling():
@@ -170,9 +183,10 @@ class GridTracker:
             for tensor in _tensors([output]):
                 self._tagged.tag(tensor, hw)
 
-    def grid(self, num_prefix_tokens: int, *tensors: Optional[torch.Tensor]) -> TokenGrid:
+    def grid(self, num_prefix_tokens: int, *tensors: Optional[torch.Tensor]) -> Union[TokenGrid, ImageLayout]:
         """The grid of the call under way: that of a block-tagged tensor among ``tensors``, of the
-        running block, or of this thread's latest patch embedding."""
+        running block, or of this thread's latest patch embedding; a layout where its images each
+        have their own grid."""
         if torch.compiler.is_compiling():
             hw = self._traced_hw
         else:
@@ -181,4 +195,14 @@ class GridTracker:
         if hw is None:
             raise RuntimeError('a swapped attention takes its grid from the patch embedding of its '
                                'model: run the whole model, not the blocks alone')
+        if isinstance(hw, ImageLayout):
+            return hw
         return TokenGrid(*hw, num_prefix_tokens)
+
+
+def _output_grid(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> HW:
+    """The grid of a patch projection whose output is (B, C, H, W)."""
+    if not (isinstance(output, torch.Tensor) and output.dim() == 4):
+        raise RuntimeError(f'the patch projection {type(module).__name__} should give (B, C, H, W), '
+                           f'got {getattr(output, "shape", type(output))}')
+    return output.shape[-2], output.shape[-1]
