@@ -143,3 +143,65 @@ def test_a_copy_and_a_pickled_model_read_naflex_batches_too():
     buffer.seek(0)
     for other in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
         torch.testing.assert_close(other(*batch), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize('name', timm.list_models('naflexvit*'))
+def test_every_registered_naflexvit_swaps_exactly(name):
+    """Each of timm's NaFlexViT models, narrowed to 2 blocks of width 64, its parameters random: phi='none'
+    gives its outputs on a NaFlex batch of three aspect ratios."""
+    model = timm.create_model(name, depth=2, embed_dim=64, num_heads=2, img_size=64, patch_size=PATCH,
+                              num_classes=3).double().eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(std=0.05)
+    batch = naflex_batch(images())
+    torch.testing.assert_close(swapped(model)(*batch), model(*batch), rtol=0, atol=1e-12)
+
+
+def siglip2(attn_implementation):
+    transformers = pytest.importorskip('transformers', minversion='5')
+    config = transformers.Siglip2VisionConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                              intermediate_size=128, patch_size=PATCH, num_patches=64)
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(0)
+    model = transformers.Siglip2VisionModel(config).double().eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(std=0.05)
+    return model
+
+
+def siglip2_batch():
+    """SigLIP 2's NaFlex input for the three grids: patches padded to 16, their mask and grid shapes."""
+    shapes = [(size[0] // PATCH, size[1] // PATCH) for size in SIZES]
+    generator = torch.Generator().manual_seed(2)
+    patches = torch.zeros(len(shapes), 16, 3 * PATCH * PATCH, dtype=torch.float64)
+    mask = torch.zeros(len(shapes), 16, dtype=torch.long)
+    for i, (height, width) in enumerate(shapes):
+        patches[i, :height * width] = torch.randn(height * width, patches.shape[-1], generator=generator,
+                                                  dtype=torch.float64)
+        mask[i, :height * width] = 1
+    return dict(pixel_values=patches, pixel_attention_mask=mask, spatial_shapes=torch.tensor(shapes))
+
+
+# transformers' eager attention takes its softmax in float32; SDPA's is the float64 one
+@pytest.mark.parametrize('attn_implementation,atol', [('sdpa', 1e-12), ('eager', 1e-8)])
+def test_phi_none_is_transformers_siglip2_on_a_naflex_batch(attn_implementation, atol):
+    model = siglip2(attn_implementation)
+    batch = siglip2_batch()
+    expected, out = model(**batch), swapped(model)(**batch)
+    valid = batch['pixel_attention_mask'].bool()
+    torch.testing.assert_close(out.last_hidden_state[valid], expected.last_hidden_state[valid], rtol=0, atol=atol)
+    torch.testing.assert_close(out.pooler_output, expected.pooler_output, rtol=0, atol=atol)
+
+
+def test_each_image_of_a_siglip2_batch_gets_its_output_alone():
+    model = swapped(siglip2('sdpa'), 'peripheral')
+    batch = siglip2_batch()
+    pooled = model(**batch).pooler_output
+    for i in range(len(SIZES)):
+        length = int(batch['pixel_attention_mask'][i].sum())
+        alone = model(pixel_values=batch['pixel_values'][i:i + 1, :length],
+                      pixel_attention_mask=batch['pixel_attention_mask'][i:i + 1, :length],
+                      spatial_shapes=batch['spatial_shapes'][i:i + 1]).pooler_output
+        torch.testing.assert_close(pooled[i:i + 1], alone, rtol=0, atol=1e-10)

@@ -13,6 +13,7 @@ import functools
 import json
 import sys
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -28,7 +29,7 @@ from .token_grids import GridTracker, PatchGrid
 
 __all__ = ['AttentionSite', 'SwapPlan', 'SwappedAttention', 'GridTracker', 'register_family', 'swap_attention',
            'parameters_added_by_swap', 'load_original_weights', 'AddedParametersWarning', 'described', 'imported',
-           'packs_self_attention']
+           'packs_self_attention', 'check_padding_mask']
 
 
 def described(obj: Any) -> str:
@@ -230,6 +231,36 @@ class SwappedAttention(Attention):
         self.attn_drop.p = mha.dropout
 
 
+_checked_mask = weakref.ref(torch.empty(0))  # the latest mask found to be a layout's padding mask (dead: none)
+
+
+def check_padding_mask(attn_mask: torch.Tensor, layout: ImageLayout) -> None:
+    """Raise a ValueError unless ``attn_mask`` (B, 1, L or 1, L; additive, or bool True = attend) lets
+    every token of an image of the padded ``layout`` (one image a row) attend to exactly the tokens
+    of its image, as a NaFlex model's padding mask does (rows of padding may hold anything). Each
+    mask tensor is checked once: a model hands every layer the same one."""
+    global _checked_mask
+    if _checked_mask() is attn_mask or torch.compiler.is_compiling():
+        return
+    batch, length = attn_mask.shape[0], attn_mask.shape[-1]
+    if len(set(layout.rows)) != layout.num_images:
+        raise ValueError(f'a padding mask holds one image a row; this {layout} packs several in a row')
+    if (attn_mask.dim() != 4 or attn_mask.shape[1] != 1 or attn_mask.shape[2] not in (1, length)
+            or length != layout.length or batch < layout.num_rows):
+        raise ValueError(f'a padding mask of shape {tuple(attn_mask.shape)} does not fit the {layout}')
+    if attn_mask.dtype == torch.bool:
+        attend, blocked = attn_mask, ~attn_mask
+    else:
+        attend, blocked = attn_mask == 0, attn_mask <= torch.finfo(attn_mask.dtype).min / 2
+    valid = layout.valid(batch, attn_mask.device)
+    keys = valid[:, None, None, :]
+    queries = valid[:, None, :, None] if attn_mask.shape[2] == length else True
+    if not torch.where(queries, torch.where(keys, attend, blocked), True).all():
+        raise ValueError('the attention mask is not the padding mask of the NaFlex batch: a swapped NaFlex model '
+                         'attends within each image of its batch, and takes no other mask')
+    _checked_mask = weakref.ref(attn_mask)
+
+
 Family = Callable[[nn.Module], Optional[SwapPlan]]
 _FAMILIES: List[Family] = []
 
@@ -249,10 +280,6 @@ _REFUSED: Dict[str, str] = {
                                                                 'mask ratio): its tokens are not the patch grid',
     'transformers.models.yolos.modeling_yolos.YolosModel': "YOLOS appends its detection tokens after the patch "
                                                           'tokens: posattn lays the extra tokens before the grid',
-    'transformers.models.siglip2.modeling_siglip2.Siglip2VisionModel': "SigLIP 2 (NaFlex) runs each image at its own "
-                                                                       'grid, padded to one length: posattn reads '
-                                                                       "per-image grids from timm's NaFlexVit, not "
-                                                                       "from transformers' SigLIP 2",
     'transformers.models.hiera.modeling_hiera.HieraModel': "Hiera's mask-unit attention pools its queries between "
                                                            'stages: its queries are not the key grid',
     'transformers.models.dinov3_vit.modeling_dinov3_vit.DINOv3ViTModel': "DINOv3's RoPE over patch coordinates is not "
@@ -297,7 +324,7 @@ def _refusal(model: nn.Module) -> str:
     return (f'no supported attention in {described(model)}{seen}; swap_attention knows timm\'s VisionTransformer, '
             "NaFlexVit, Eva, Beit, VisionTransformerRelPos, VisionTransformerSAM, ConVit and SwinTransformer, torchvision's "
             "VisionTransformer and SwinTransformer, transformers' ViT, DeiT, ViT-MSN, I-JEPA, Pixio, DINOv2, BEiT, "
-            'Data2VecVision, Swin and CLIP, Chinese-CLIP, SigLIP and AIMv2 vision models, and (with posattn_openmmlab '
+            'Data2VecVision, Swin and CLIP, Chinese-CLIP, SigLIP, SigLIP 2 and AIMv2 vision models, and (with posattn_openmmlab '
             'imported) the OpenMMLab ViTs and Swin')
 
 

@@ -1,6 +1,6 @@
 """Hugging Face ``transformers`` (>= 5) vision transformers: ViT, DeiT (class and distillation
 tokens), ViT-MSN, I-JEPA, Pixio (several class tokens), DINOv2 (with and without registers), BEiT
-and Data2VecVision, Swin, and the vision towers of CLIP, Chinese-CLIP, SigLIP and AIMv2.
+and Data2VecVision, Swin, and the vision towers of CLIP, Chinese-CLIP, SigLIP, SigLIP 2 and AIMv2.
 
 Each layer's attention holds separate ``q_proj``, ``k_proj``, ``v_proj`` and an output projection
 (``o_proj``; CLIP's and SigLIP's ``out_proj``), and runs the attention function that the model's
@@ -8,8 +8,11 @@ Each layer's attention holds separate ``q_proj``, ``k_proj``, ``v_proj`` and an 
 projections under those names and computes posattn's attention instead, whatever that setting (the
 scaled dot product of :class:`posattn.Attention`, with the Φp). The grid comes from the patch
 embedding's convolution, so ``interpolate_pos_encoding=True`` and any input size the model accepts
-work. A swapped layer returns ``(output, None)``: transformers' ``output_attentions`` cannot collect
-what it computes and is refused; ``posattn.analysis.collect_attention_maps`` reads its maps.
+work. SigLIP 2 (NaFlex) takes the patches of images of different grids, padded to one length:
+each image attends within its own grid (``spatial_shapes``), and the model's padding mask is
+checked against them. A swapped layer returns ``(output, None)``: transformers' ``output_attentions``
+cannot collect what it computes and is refused; ``posattn.analysis.collect_attention_maps`` reads
+its maps.
 
 BEiT's layers (or, with one shared table, its model) compute the relative position bias from their
 tables and hand it to the attention as its ``attention_mask``. While the model's own positions are
@@ -30,13 +33,16 @@ import torch
 from torch import nn
 
 from ..grid import TokenGrid
+from ..layout import ImageLayout
 from ..phi import PositionalModule
 from ..phi.rpb import RelativePositionBias
-from .core import AttentionSite, SwapPlan, SwappedAttention, described, hand_held_modules_to_phi, register_family
+from .core import (AttentionSite, SwapPlan, SwappedAttention, check_padding_mask, described,
+                   hand_held_modules_to_phi, register_family)
 from .given import GivenBias
+from .token_grids import PatchGrid
 from .window_tables import RELATIVE_POSITION_BIAS, WindowTableAttention
 
-__all__ = ['HfAttention', 'HfBeitAttention', 'HfData2VecAttention', 'HfSwinAttention']
+__all__ = ['HfAttention', 'HfNaFlexAttention', 'HfBeitAttention', 'HfData2VecAttention', 'HfSwinAttention']
 
 
 class HfAttention(SwappedAttention):
@@ -73,6 +79,30 @@ class HfAttention(SwappedAttention):
     def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, N, C) -> (B, N, 3 * heads * d), laid out (three, heads, d)."""
         return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+
+
+class HfNaFlexAttention(HfAttention):
+    """SigLIP 2's attention, on a NaFlex batch: each image attends within its own grid, and the
+    ``attention_mask`` the model gives is its padding mask, checked against the batch's layout."""
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                **kwargs: Any) -> Tuple[torch.Tensor, None]:
+        self.refuse_output_attentions(kwargs)
+        if attention_mask is not None:
+            if not isinstance(attention_mask, torch.Tensor):
+                raise ValueError(f'a swapped SigLIP 2 reads its padding mask as a tensor, got a '
+                                 f'{type(attention_mask).__name__}: use attn_implementation "eager" or "sdpa"')
+            check_padding_mask(attention_mask, self.current_grid(hidden_states))
+        return self.attention_output(hidden_states), None
+
+
+def siglip2_grid(embeddings: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                 output: torch.Tensor) -> ImageLayout:
+    """The layout of a SigLIP 2 batch, from its embeddings' call: each image's ``spatial_shapes``
+    (height, width) grid, its patches first in its row, padding after."""
+    shapes = dict(zip(('pixel_values', 'spatial_shapes'), args), **kwargs)['spatial_shapes']
+    grids = [tuple(shape) for shape in torch.as_tensor(shapes).tolist()]
+    return ImageLayout.padded(grids, length=output.shape[1])
 
 
 class HfBeitAttention(HfAttention):
@@ -162,6 +192,7 @@ class _Model(NamedTuple):
     windowed: bool = False  # each layer knows its grid (its window): no patch grid to track
     # where the model adds absolute positions that are no parameter, what they are (SwapPlan.fixed_positions)
     fixed_positions: Callable[[nn.Module], Optional[str]] = lambda model: None
+    patch_grid: Optional[PatchGrid] = None  # SwapPlan.patch_grid, where the projection's output is no (B, C, H, W)
 
 
 def _projection(model: nn.Module) -> nn.Module:
@@ -249,6 +280,8 @@ _MODELS: Dict[str, _Model] = {
     'CLIPVisionModel': _Model('CLIPAttention', _embedding, lambda m: 1, _lookup),
     'SiglipVisionModel': _Model('SiglipAttention', _embedding, lambda m: 0, _lookup),
     'ChineseCLIPVisionModel': _Model('ChineseCLIPVisionAttention', _embedding, lambda m: 1, _lookup),
+    'Siglip2VisionModel': _Model('Siglip2Attention', lambda m: m.embeddings, lambda m: 0, _lookup, HfNaFlexAttention,
+                                 patch_grid=siglip2_grid),
     'Aimv2VisionModel': _Model('Aimv2Attention', lambda m: m.embeddings.patch_embed, lambda m: 0, _aimv2_embedding,
                                fixed_positions=_aimv2_fixed),
     'BeitModel': _Model('BeitAttention', _projection, lambda m: 1, _table, HfBeitAttention,
@@ -277,7 +310,8 @@ def hf_vision_transformer(model: nn.Module) -> Optional[SwapPlan]:
     projection = None if found.windowed else found.patch_projection(model)
     return SwapPlan(f'transformers {type(model).__name__}', sites, found.adapter, projection,
                     found.position_embeddings(model), tables, own_phi=found.own_phi(model), kept_phi=kept,
-                    installed=found.installed, fixed_positions=found.fixed_positions(model))
+                    installed=found.installed, fixed_positions=found.fixed_positions(model),
+                    patch_grid=found.patch_grid)
 
 
 def _site(index: int, parent: nn.Module, name: str, attn: nn.Module, num_prefix_tokens: int) -> AttentionSite:

@@ -3,14 +3,14 @@
 any number of prefix tokens (class, distillation, registers). State-dict names stay timm's."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from torch import nn
 
 from .core import AttentionSite, SwapPlan, SwappedAttention, described, imported, register_family
 
-__all__ = ['TimmAttention', 'NormGateOutput', 'refuse_attention_mask']
+__all__ = ['TimmAttention', 'NormGateOutput', 'refuse_attention_mask', 'timm_attention_sites']
 
 
 def refuse_attention_mask(attn_mask: Optional[torch.Tensor], is_causal: bool) -> None:
@@ -45,19 +45,28 @@ def timm_vision_transformer(model: nn.Module) -> Optional[SwapPlan]:
     VisionTransformer = imported('timm.models.vision_transformer', 'VisionTransformer')
     if VisionTransformer is None or not isinstance(model, VisionTransformer):
         return None
+    sites = timm_attention_sites(model, 'VisionTransformer', not isinstance(model.patch_drop, nn.Identity),
+                                 "timm's standard Block only")
+    return SwapPlan('timm VisionTransformer', sites, TimmAttention, model.patch_embed.proj, [model.pos_embed])
+
+
+def timm_attention_sites(model: nn.Module, name: str, drops_tokens: bool, replaced: str) -> List[AttentionSite]:
+    """The ``attn`` of every block of a timm ViT (``model.blocks``), each a ``timm.layers.Attention``
+    that splits the model's width into its heads; a model that drops tokens (``drops_tokens``) or a
+    block that holds another attention (the blocks swapped: ``replaced``) is refused."""
     Attention = imported('timm.layers', 'Attention')
-    if not isinstance(model.patch_drop, nn.Identity):
-        raise ValueError('this timm VisionTransformer drops tokens while training (patch_drop_rate > 0), '
-                         'which breaks the token grid a Φp is evaluated on: build it with patch_drop_rate=0')
+    if drops_tokens:
+        raise ValueError(f'this timm {name} drops tokens while training (patch_drop_rate > 0), which breaks '
+                         'the token grid a Φp is evaluated on: build it with patch_drop_rate=0')
     sites = []
     for i, block in enumerate(model.blocks):
         attn = getattr(block, 'attn', None)
         if not isinstance(attn, Attention):
             raise TypeError(f'block {i} ({described(block)}) holds {described(attn)}, not timm.layers.Attention: '
-                            'swap_attention replaces the attention of timm\'s standard Block only')
+                            f'swap_attention replaces the attention of {replaced}')
         if attn.attn_dim != attn.qkv.in_features:
             raise TypeError(f'block {i} attends in {attn.num_heads} heads x {attn.head_dim} channels, not the '
                             f'model width {attn.qkv.in_features} (attn_head_dim): posattn.Attention splits '
                             'the width into its heads')
         sites.append(AttentionSite(block, 'attn', attn.qkv.in_features, attn.num_heads, model.num_prefix_tokens))
-    return SwapPlan('timm VisionTransformer', sites, TimmAttention, model.patch_embed.proj, [model.pos_embed])
+    return sites
