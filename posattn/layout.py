@@ -19,6 +19,7 @@ is attended to or changed: the layer's output there is zero.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -93,7 +94,7 @@ class ImageLayout:
                length: Optional[int] = None) -> 'ImageLayout':
         """Every image in one row, one after another; padded to ``length`` (default: their sum)."""
         grids = _token_grids(grids, num_prefix_tokens)
-        ends = torch.tensor([grid.num_tokens for grid in grids]).cumsum(0).tolist()
+        ends = list(itertools.accumulate(grid.num_tokens for grid in grids))
         length = ends[-1] if length is None else length
         return cls(grids, (0,) * len(grids), tuple([0] + ends[:-1]), length)
 
