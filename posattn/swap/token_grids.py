@@ -40,7 +40,7 @@ HW = Tuple[int, int]
 Where = Union[HW, ImageLayout]
 # How a family reads it from its patch embedding's call: (module, args, kwargs, output) -> Where.
 PatchGrid = Callable[[nn.Module, Tuple[Any, ...], Dict[str, Any], Any], Where]
-# Per context: tracker -> (H, W) of the latest patch embedding, and of the innermost running block.
+# Per context: tracker -> the grid (or layout) of the latest patch embedding, and of the innermost running block.
 _PATCH_GRIDS: ContextVar[Mapping['GridTracker', Where]] = ContextVar('posattn_patch_grids', default={})
 _BLOCK_GRIDS: ContextVar[Mapping['GridTracker', Where]] = ContextVar('posattn_block_grids', default={})
 _BLOCK_TOKENS: ContextVar[Tuple[Any, ...]] = ContextVar('posattn_block_tokens', default=())
