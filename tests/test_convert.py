@@ -279,7 +279,9 @@ class _Unsafe:
 
 def test_model_card_examples_run(tmp_path, monkeypatch):
     card = Path(__file__).resolve().parents[1] / 'docs' / 'models.md'
-    use, load = re.findall(r'```python\n(.*?)```', card.read_text(), flags=re.S)
+    blocks = re.findall(r'```python\n(.*?)```', card.read_text(), flags=re.S)
+    (use,) = [block for block in blocks if 'forward_intermediates' in block]
+    (load,) = [block for block in blocks if "checkpoint='pervit_small.pth'" in block]
     namespace = {}
     exec(compile(use, 'docs/models.md', 'exec'), namespace)
     assert namespace['logits'].shape == (2, 1000) and namespace['features'].shape == (2, 280, 10, 14)

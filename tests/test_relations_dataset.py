@@ -146,12 +146,15 @@ def test_the_command_line_takes_a_scale_or_an_extent(capsys):
     assert 'not allowed with argument' in capsys.readouterr().err
 
 
-def test_the_relations_study_has_the_resolution_rows_clipped_on_the_relations_data():
+def test_the_relations_study_has_every_registered_phi_clipped_on_the_relations_data():
+    """The resolution study's rows, and the decomposed tables, which complete the registered Φp."""
+    import posattn
     sys.path.insert(0, str(REPO / 'tools'))
     from _study import STUDIES, load_study
     relations, resolution = load_study(STUDIES / 'relations.py'), load_study(STUDIES / 'resolution.py')
-    assert [(row.name, row.path) for row in relations.rows.values()] == \
+    assert [(row.name, row.path) for row in relations.rows.values() if row.name != 'decomposed_rpb'] == \
         [(row.name, row.path) for row in resolution.rows.values()]
+    assert set(posattn.list_phis()) - {'none'} <= set(relations.rows)
     assert all(row.options == (('optim_wrapper.clip_grad.max_norm', 1.0),) for row in relations.rows.values())
     assert relations.data.resolve() == REPO / 'configs' / '_base_' / 'relations.py'
     assert relations.test_size_factors == (0.5, 1.0, 1.5, 2.0) and relations.test_extent_factors == (1.0, 1.5, 2.0)
