@@ -136,12 +136,9 @@ class Attention(nn.Module):
                    else f'a {type(key_mask).__name__}')
             raise ValueError(f'key_mask must be a bool tensor of shape (B, L) = {tuple(x.shape[:2])}, as the '
                              f'tokens, got {got}')
-        out = x.new_zeros(x.shape[0] * x.shape[1], self.proj.out_features)
-        for group in layout.groups(x.device):
-            mask = None if key_mask is None else layout.gather(key_mask, group)
-            out = out.index_copy(0, group.index.flatten(),
-                                 self(layout.gather(x, group), group.grid, mask, **call_inputs).flatten(0, 1))
-        return out.view(x.shape[0], x.shape[1], -1)
+        return layout.per_grid(x, lambda group: self(
+            layout.gather(x, group), group.grid, None if key_mask is None else layout.gather(key_mask, group),
+            **call_inputs), self.proj.out_features)
 
     def check_layout(self, x: torch.Tensor, layout: ImageLayout) -> None:
         """Raise a ValueError unless ``x`` (B, L, C) holds ``layout``'s images with this layer's prefix tokens."""

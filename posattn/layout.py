@@ -25,6 +25,7 @@ from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequenc
 
 import torch
 
+from ._cache import grid_constant
 from .grid import GridLike, TokenGrid, is_integer
 
 __all__ = ['ImageLayout', 'GridGroup', 'run_by_size']
@@ -151,14 +152,27 @@ class ImageLayout:
             raise ValueError(f'a layout of {self.num_images} images in {self.num_rows} rows of {self.length} '
                              f'tokens does not fit tokens of shape {tuple(x.shape)}')
 
-    def groups(self, device: Optional[torch.device] = None) -> Iterator[GridGroup]:
+    def images_by_grid(self) -> Dict[TokenGrid, Tuple[int, ...]]:
         """The images of each distinct grid, in the order their grids first appear."""
         by_grid: Dict[TokenGrid, List[int]] = {}
         for image, grid in enumerate(self.grids):
             by_grid.setdefault(grid, []).append(image)
-        for grid, images in by_grid.items():
-            firsts = torch.tensor([self.rows[i] * self.length + self.starts[i] for i in images], device=device)
-            yield GridGroup(grid, tuple(images), firsts[:, None] + torch.arange(grid.num_tokens, device=device))
+        return {grid: tuple(images) for grid, images in by_grid.items()}
+
+    def groups(self, device: Optional[torch.device] = None) -> Iterator[GridGroup]:
+        """The images of each distinct grid with their token positions on ``device`` (made on the
+        CPU once per layout and device, :func:`_token_indices`)."""
+        indices = _token_indices(self, torch.device('cpu') if device is None else torch.device(device))
+        for (grid, images), index in zip(self.images_by_grid().items(), indices):
+            yield GridGroup(grid, images, index)
+
+    def per_grid(self, x: torch.Tensor, compute: Callable[[GridGroup], torch.Tensor], channels: int) -> torch.Tensor:
+        """``compute(group)`` -> (images, N, channels) for the images of each distinct grid, put in place:
+        (B, L, channels) like ``x`` (B, L, ...), zero at tokens of no image."""
+        out = x.new_zeros(x.shape[0] * x.shape[1], channels)
+        for group in self.groups(x.device):
+            out = out.index_copy(0, group.index.flatten(), compute(group).flatten(0, 1))
+        return out.view(x.shape[0], x.shape[1], channels)
 
     def valid(self, batch: Optional[int] = None, device: Optional[torch.device] = None) -> torch.Tensor:
         """(B, L) bool, True at every token of an image (B: ``batch``, default :attr:`num_rows`)."""
@@ -182,6 +196,17 @@ class ImageLayout:
     def __str__(self) -> str:
         kinds = ', '.join(dict.fromkeys(f'{grid.height}x{grid.width}' for grid in self.grids))
         return f'layout of {self.num_images} images ({kinds}) in {self.num_rows} rows of {self.length} tokens'
+
+
+@grid_constant(max_bytes=16 << 20)
+def _token_indices(layout: ImageLayout, device: torch.device) -> Tuple[torch.Tensor, ...]:
+    """For each distinct grid of ``layout`` (:meth:`ImageLayout.images_by_grid`), the positions of its
+    images' tokens in the (B * L) flattened rows, (images, N) int64 on ``device``."""
+    indices = []
+    for grid, images in layout.images_by_grid().items():
+        firsts = torch.tensor([layout.rows[i] * layout.length + layout.starts[i] for i in images])
+        indices.append((firsts[:, None] + torch.arange(grid.num_tokens)).to(device))
+    return tuple(indices)
 
 
 def run_by_size(function: Callable[[torch.Tensor], torch.Tensor], images: Sequence[torch.Tensor]) -> torch.Tensor:

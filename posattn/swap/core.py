@@ -203,11 +203,9 @@ class SwappedAttention(Attention):
             raise ValueError('a swapped attention on images of different grids takes no attention mask '
                              'and no per-call positional input: each image attends within its own grid')
         self.check_layout(x, layout)
-        out = x.new_zeros(x.shape[0] * x.shape[1], self.proj.out_features)
-        for group in layout.groups(x.device):
-            image_out = self._output_on_grid(layout.gather(x, group), group.grid, None, self.phi.given({}))
-            out = out.index_copy(0, group.index.flatten(), image_out.flatten(0, 1))
-        return out.view(x.shape[0], x.shape[1], -1)
+        given = self.phi.given({})
+        return layout.per_grid(x, lambda group: self._output_on_grid(layout.gather(x, group), group.grid, None, given),
+                               self.proj.out_features)
 
     def reads(self, name: str) -> bool:
         """Whether the layer's Φp reads ``name`` given with the call: an adapter computes a term of the
@@ -322,10 +320,10 @@ def _refusal(model: nn.Module) -> str:
     seen = (f' (its attention modules, {", ".join(attentions[:4])}{", ..." if len(attentions) > 4 else ""}, are '
             'of no family swap_attention knows)' if attentions else ' (it has no module named as an attention)')
     return (f'no supported attention in {described(model)}{seen}; swap_attention knows timm\'s VisionTransformer, '
-            "NaFlexVit, Eva, Beit, VisionTransformerRelPos, VisionTransformerSAM, ConVit and SwinTransformer, torchvision's "
-            "VisionTransformer and SwinTransformer, transformers' ViT, DeiT, ViT-MSN, I-JEPA, Pixio, DINOv2, BEiT, "
-            'Data2VecVision, Swin and CLIP, Chinese-CLIP, SigLIP, SigLIP 2 and AIMv2 vision models, and (with posattn_openmmlab '
-            'imported) the OpenMMLab ViTs and Swin')
+            'NaFlexVit, Eva, Beit, VisionTransformerRelPos, VisionTransformerSAM, ConVit and SwinTransformer, '
+            "torchvision's VisionTransformer and SwinTransformer, transformers' ViT, DeiT, ViT-MSN, I-JEPA, Pixio, "
+            'DINOv2, BEiT, Data2VecVision, Swin and CLIP, Chinese-CLIP, SigLIP, SigLIP 2 and AIMv2 vision models, '
+            'and (with posattn_openmmlab imported) the OpenMMLab ViTs and Swin')
 
 
 def swap_attention(model: nn.Module, phi: PhiSpec = 'peripheral', *, own_positions: bool = True,
