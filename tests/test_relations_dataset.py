@@ -160,6 +160,31 @@ def test_the_relations_study_has_every_registered_phi_clipped_on_the_relations_d
     assert relations.test_size_factors == (0.5, 1.0, 1.5, 2.0) and relations.test_extent_factors == (1.0, 1.5, 2.0)
 
 
+def test_the_relations_ablations_are_the_ablation_rows_on_the_relations_data_sharing_row_a():
+    """Its rows are the ablation study's on PositionalRelations; row (a) is the relations study's
+    PerViT-T row, the same config and options, so a finished run of one is a finished run of the other."""
+    sys.path.insert(0, str(REPO / 'tools'))
+    import compare_phis
+    from _study import STUDIES, load_data, load_study, row_config, with_options
+    study, ablations = load_study(STUDIES / 'relations_ablations.py'), load_study(STUDIES / 'ablations.py')
+    relations = load_study(STUDIES / 'relations.py')
+    assert [(row.name, row.label) for row in study.rows.values()] == \
+        [(row.name, row.label) for row in ablations.rows.values()]
+    assert [row.path for row in study.rows.values()][1:] == [row.path for row in ablations.rows.values()][1:]
+    assert (study.rows['a'].path, study.rows['a'].options) == (relations.rows['pervit_t'].path,
+                                                               relations.rows['pervit_t'].options)
+    assert study.data == relations.data and study.analyse
+    data = load_data(study.data)
+    args = compare_phis.parse_args(['--experiment', 'relations_ablations'])
+    for name, row in study.rows.items():  # every row clipped: (a) by its options, the others by their configs
+        config = with_options(row_config(row, data), compare_phis.overrides(args, 0, row))
+        assert config.optim_wrapper.clip_grad.max_norm == 1.0, name
+        assert config.train_dataloader.dataset.type == 'PositionalRelations', name
+    digests = [compare_phis.config_digest(row_config(row, data), compare_phis.overrides(args, 0, row))
+               for row in (study.rows['a'], relations.rows['pervit_t'])]
+    assert digests[0] == digests[1]
+
+
 @pytest.mark.slow
 def test_the_relations_study_tests_each_run_at_other_scales_and_extents(tmp_path):
     """tools/compare_phis.py --experiment relations on a short budget: each run tested at every scale
@@ -181,3 +206,11 @@ def test_the_relations_study_tests_each_run_at_other_scales_and_extents(tmp_path
     assert 'on larger canvases' in table and '| 1x: 64 px | 1.5x: 96 px | 2x: 128 px |' in table
     assert (tmp_path / 'extent.png').read_bytes()[:4] == b'\x89PNG'
     assert 'optim_wrapper' in (tmp_path / 'none' / 'config.py').read_text()  # clipped: the row's options
+
+    # --report: the finished run tabulated again, the seed that never ran left out, nothing trained
+    again = subprocess.run(command + ['--seeds', '0', '1', '--report'], cwd=REPO, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert 'Epoch(' not in again.stdout and not (tmp_path / 'none' / 'seed1').exists()
+    assert 'seed1' in again.stdout and 'left out of the tables' in again.stdout
+    assert json.loads((tmp_path / 'comparison.json').read_text())['runs'] == [run]

@@ -120,7 +120,8 @@ def write_tiny_row(path: Path, base: str) -> Path:
 
 
 def test_the_built_in_studies_hold_the_rows_the_tool_had():
-    assert builtin_studies() == sorted([*OLD_EXPERIMENTS, 'relations'])  # relations: tests/test_relations_dataset.py
+    # relations and relations_ablations: tests/test_relations_dataset.py
+    assert builtin_studies() == sorted([*OLD_EXPERIMENTS, 'relations', 'relations_ablations'])
     for experiment, (rows, work_dir, analysed, factors) in OLD_EXPERIMENTS.items():
         study = tool.parse_args(['--experiment', experiment]).study
         assert [(row.name, row.config, row.label, row.start_from) for row in study.rows.values()] == rows, experiment
@@ -450,6 +451,55 @@ def test_a_run_is_reused_only_with_the_same_config_and_options(tmp_path):
     assert tool.finished_run(run_dir, ['randomness.seed=1'], digest) is None
     (tmp_path / 'row.py').write_text('model = dict(width=64)\n')  # the config was edited since
     assert tool.finished_run(run_dir, options, tool.config_digest(row_config(row, None), options)) is None
+
+
+def record_finished_run(work_dir, args, name, seed, final, **tests):
+    """Writes the run.json of a finished run of row ``name`` as the tool would (its options and config
+    digest), with a made-up top-1 per epoch."""
+    row = args.study.rows[name]
+    options = tool.overrides(args, seed, row)
+    run = dict(row=name, seed=seed, options=options, config_digest=tool.config_digest(row_config(row, None), options),
+               params=1e6, wall_s=60.0, top1_per_epoch=[final - 5, final], logged_step_time_s=0.1, **tests)
+    (work_dir / name / f'seed{seed}').mkdir(parents=True)
+    (work_dir / name / f'seed{seed}' / tool.RUN_RECORD).write_text(json.dumps(run))
+
+
+def test_report_tabulates_the_finished_runs_each_row_over_its_seeds_and_trains_nothing(tmp_path, monkeypatch,
+                                                                                          capsys):
+    argv = ['--experiment', 'resolution', '--work-dir', str(tmp_path), '--rows', 'ape', 'peg', 'rope', '--seeds',
+            '0', '1', '2', '3', '4', '--report', '--no-timing']
+    args = tool.parse_args(argv)
+    sizes = {'32': 20.0, '48': 40.0, '64': 0.0, '96': 50.0, '128': 30.0}
+    for seed, final in enumerate((60.0, 70.0, 80.0, 90.0, 100.0)):  # ape: five seeds
+        record_finished_run(tmp_path, args, 'ape', seed, final, top1_at_size=dict(sizes, **{'64': final}))
+    for seed, final in enumerate((40.0, 42.0, 44.0)):  # peg: three seeds
+        record_finished_run(tmp_path, args, 'peg', seed, final, top1_at_size=dict(sizes, **{'64': final}))
+    record_finished_run(tmp_path, args, 'peg', 3, 46.0)  # finished, but never tested at the other sizes
+    record_finished_run(tmp_path, args, 'rope', 1, 50.0, top1_at_size=dict(sizes, **{'96': 51.0}))
+    (tmp_path / 'rope' / 'seed1' / tool.RUN_RECORD).write_text(  # recorded with other options: not this run
+        (tmp_path / 'rope' / 'seed1' / tool.RUN_RECORD).read_text().replace('randomness.seed=1', 'randomness.seed=9'))
+    monkeypatch.setattr(tool, 'train', lambda *args: pytest.fail('--report trained a run'))
+    monkeypatch.setattr(tool, 'evaluate_at_sizes', lambda *args: pytest.fail('--report tested a run'))
+    tool.main(argv)
+
+    record = json.loads((tmp_path / 'comparison.json').read_text())
+    assert [(run['row'], run['seed']) for run in record['runs']] == [('ape', seed) for seed in range(5)] + [
+        ('peg', 0), ('peg', 1), ('peg', 2)]
+    assert [(line['row'], line['seeds'], line['top1']) for line in record['table']] == [
+        ('ape', [0, 1, 2, 3, 4], 80.0), ('peg', [0, 1, 2], 42.0)]
+    table = (tmp_path / 'comparison.md').read_text()
+    assert '| 80.0 ± 15.8 (5 seeds) |' in table and '| 42.0 ± 2.0 (3 seeds) |' in table
+    interval = tool.difference_interval([60.0, 70.0, 80.0, 90.0, 100.0], [40.0, 42.0, 44.0])
+    assert f'| {interval[0]:+.1f} [{interval[1]:+.1f}, {interval[2]:+.1f}] | apart |' in table
+    printed = capsys.readouterr().out
+    assert printed.count('no run with this config finished there: left out of the tables') == 1 + 5  # rope's
+    assert 'not tested with --img-size at 32, 48, 64, 96, 128 px: left out of the tables' in printed
+    assert not (tmp_path / 'rope' / 'seed0').exists()  # nothing set aside or started
+
+
+def test_report_with_no_finished_run_is_an_error_naming_the_work_dir(tmp_path):
+    with pytest.raises(SystemExit, match=f'no run of the rows ape with seeds \\[0\\] finished in {tmp_path}'):
+        tool.main(['--experiment', 'resolution', '--work-dir', str(tmp_path), '--rows', 'ape', '--report'])
 
 
 def test_an_unfinished_or_other_run_is_set_aside_not_mixed_into_the_new_one(tmp_path):

@@ -25,7 +25,8 @@ width, trained at 64 x 64 and tested, without fine-tuning, at 0.5, 0.75, 1, 1.5 
 benchmark: PositionalRelations (which of three target shapes is leftmost and which topmost, among
 distractors), every Φp of Table 2 and the schemes in DeiT-T at half width with PerViT-T at half width,
 tested at other scales (``--img-size``) and extents (``tools/test.py --extent``: scenes of the training
-scale on larger canvases, more tokens).
+scale on larger canvases, more tokens). ``relations_ablations`` runs the rows of ``ablations`` on
+PositionalRelations; its row (a) is the PerViT-T row of ``relations``.
 
 A study file is a Python file read by mmengine's ``Config.fromfile`` (so it may inherit another study
 with ``_base_``)::
@@ -73,7 +74,9 @@ skips it: the table then says "not measured" and the figure plots top-1 against 
 
 A run that finished before in the work dir with the same config and overrides (its ``run.json``) is
 reused, not trained again, and a size it was tested at is not tested again: an interrupted study goes
-on where it stopped. A run's folder that holds anything else (an interrupted run, or one of another
+on where it stopped. ``--report`` trains and tests nothing: it makes the tables, figures and step
+timing of the runs that finished, each row over the seeds it has (for example five seeds for the rows
+whose spread was large and three for the others: ``--seeds 0 1 2 3 4 --report``). A run's folder that holds anything else (an interrupted run, or one of another
 config) is moved to ``<seed folder>.before-<time>`` and the run trained afresh. Delete a run's folder
 to rerun it. Writes to the work dir: ``comparison.json`` (every run: validation top-1 per epoch,
 parameters, wall time, top-1 per test size, and ``logged_step_time_s``, the median step time over
@@ -124,7 +127,8 @@ def parse_args(argv=None):
                              "PerViT Table 2's rows from scratch; schemes: later ViTs' positional schemes in DeiT-T, "
                              "and ConViT-T; swap: DeiT-T, then a fine-tune per Φp; ablations: PerViT's components, "
                              "Φp initialisations and designs, half width; resolution: each Φp at half width, trained "
-                             "at 64 px and tested at 0.5-2x that size")
+                             "at 64 px and tested at 0.5-2x that size; relations: each Φp on the harder set, "
+                             "tested at other scales and extents; relations_ablations: the ablations on it")
     source.add_argument('--study', dest='study_file', metavar='FILE', help='a study file of your own')
     source.add_argument('--configs', nargs='+', metavar='CONFIG',
                         help='config files to compare, each a row named by its file name')
@@ -137,6 +141,9 @@ def parse_args(argv=None):
     parser.add_argument('--epochs', type=int, help="epochs per run (default: the configs')")
     parser.add_argument('--work-dir', help="runs, tables and figures go here (default: the study's work_dir, "
                                            'else work_dirs/compare_phis/<study name>)')
+    parser.add_argument('--report', action='store_true',
+                        help='train and test nothing: tabulate the runs of these rows and seeds that finished in '
+                             'the work dir, each row over the seeds it has (a row with none is left out)')
     parser.add_argument('--no-timing', action='store_true',
                         help='do not time a training step of each row after the runs')
     parser.add_argument('--timing-repeats', type=int, default=5,
@@ -334,6 +341,17 @@ def config_digest(cfg: Config, options: list) -> str:
     cfg = copy.deepcopy(cfg)
     cfg.merge_from_dict(dict(option.split('=', 1) for option in options))  # as written: a fingerprint only
     return hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def untested(run: dict, study, cfg: Config, row: Row) -> Optional[str]:
+    """What ``run`` lacks of the study's tests at other sizes ('not tested with --extent at 64, 128 px'),
+    else None."""
+    for test in SIZE_TESTS:
+        factors = getattr(study, test.factors_key)
+        sizes = test_sizes(cfg, factors, row.config) if factors else []
+        if sizes and list(run.get(test.record_key, ())) != list(map(str, sizes)):
+            return f'not tested with {test.option} at {", ".join(map(str, sizes))} px'
+    return None
 
 
 def finished_run(work_dir: Path, options: list, digest: str):
@@ -603,6 +621,13 @@ def main(argv=None):
             run_configs[name] = with_options(configs[name], options)
         digest = config_digest(configs[name], options)
         run = finished_run(run_dir, options, digest)
+        if args.report:
+            missing = 'no run with this config finished there' if run is None else untested(run, study, run_configs[name], row)
+            if missing:
+                print(f'    {missing}: left out of the tables', flush=True)
+            else:
+                runs.append(run)
+            continue
         if run is not None:
             print(f'    finished before with the same config and settings: reusing {run_dir / RUN_RECORD}')
         else:
@@ -628,6 +653,9 @@ def main(argv=None):
         print(f'    top-1 {run["top1_per_epoch"][-1]:.1f}% after {len(run["top1_per_epoch"])} epochs, '
               f'{run["wall_s"] / 60:.1f} min', flush=True)
 
+    if not runs:
+        raise SystemExit(f'no run of the rows {", ".join(planned)} with seeds {args.seeds} finished in {work_dir}')
+    run_configs = {name: config for name, config in run_configs.items() if any(run['row'] == name for run in runs)}
     timing = None
     if not args.no_timing:
         print(f'timing a training step of each row (CPU, 1 thread, {WARMUP_STEPS} warm-up and '
