@@ -474,6 +474,8 @@ def test_report_tabulates_the_finished_runs_each_row_over_its_seeds_and_trains_n
         record_finished_run(tmp_path, args, 'ape', seed, final, top1_at_size=dict(sizes, **{'64': final}))
     for seed, final in enumerate((40.0, 42.0, 44.0)):  # peg: three seeds
         record_finished_run(tmp_path, args, 'peg', seed, final, top1_at_size=dict(sizes, **{'64': final}))
+    shared = tmp_path / 'peg' / 'seed2' / tool.RUN_RECORD  # a run shared with another study, under its row name
+    shared.write_text(shared.read_text().replace('"row": "peg"', '"row": "other_studys_peg"'))
     record_finished_run(tmp_path, args, 'peg', 3, 46.0)  # finished, but never tested at the other sizes
     record_finished_run(tmp_path, args, 'rope', 1, 50.0, top1_at_size=dict(sizes, **{'96': 51.0}))
     (tmp_path / 'rope' / 'seed1' / tool.RUN_RECORD).write_text(  # recorded with other options: not this run

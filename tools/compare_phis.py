@@ -621,6 +621,8 @@ def main(argv=None):
             run_configs[name] = with_options(configs[name], options)
         digest = config_digest(configs[name], options)
         run = finished_run(run_dir, options, digest)
+        if run is not None:
+            run['row'] = name  # a run of the same config and options recorded under another study's row name
         if args.report:
             missing = 'no run with this config finished there' if run is None else untested(run, study, run_configs[name], row)
             if missing:
