@@ -423,6 +423,22 @@ def test_the_ranking_says_which_differences_the_seed_decides():
     assert [line.split(' | ')[1] for line in at_size[2:]] == ['C', 'B', 'A']
 
 
+@pytest.mark.parametrize('count', [3, 11, 25])
+def test_every_row_of_a_figure_has_a_colour_of_its_own(count):
+    from matplotlib.colors import to_rgba
+    assert len({to_rgba(colour) for colour in tool.row_colours(count)}) == count
+    runs = [dict(row=f'r{index}', seed=0, top1_per_epoch=[50.0], params=1e6, wall_s=60.0,
+                 top1_at_size={'32': 20.0 + index, '64': 50.0 + index}) for index in range(count)]
+    config = 'study/deit-t-half_ape_shapes.py'
+    rows = {run['row']: Row(run['row'], config, ROOT / 'configs' / config, run['row']) for run in runs}
+    labels = dict(dataset='PositionalShapes', chance_top1=[50.0], step_time_axis=None)
+    figure = tool.resolution_figure(tool.summarise(runs, rows), runs, (0.5, 1.0), labels)
+    drawn = [to_rgba(line.get_color()) for line in figure.axes[0].lines if line.get_label().startswith('r')]
+    assert len(drawn) == count and len(set(drawn)) == count
+    figure = tool.comparison_figure(runs, tool.summarise(runs, rows), rows, labels)
+    assert len({to_rgba(line.get_color()) for line in figure.axes[0].lines if line.get_label().startswith('r')}) == count
+
+
 def test_the_resolution_experiment_tests_each_row_at_half_to_twice_its_training_size():
     study = load_study(STUDIES / 'resolution.py')
     assert set(study.rows) >= {'none', 'ape', 'peg', 'irpe', 'peripheral', 'pervit_t', 'rope', 'rpb', 'alibi', 'gpsa'}

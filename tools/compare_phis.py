@@ -531,7 +531,7 @@ def comparison_figure(runs: list, table: list, rows: Dict[str, Row], labels: dic
     else:
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     curves, scatter = axes[:2]
-    colours = {row: f'C{i}' for i, row in enumerate(rows)}
+    colours = dict(zip(rows, row_colours(len(rows))))
     labelled = set()
     for run in runs:  # one curve per run, one legend entry per row
         epochs = range(1, len(run['top1_per_epoch']) + 1)
@@ -564,6 +564,17 @@ def comparison_figure(runs: list, table: list, rows: Dict[str, Row], labels: dic
     return fig
 
 
+def row_colours(count: int) -> list:
+    """A distinct colour per row: matplotlib's default cycle for up to ten rows, its tab20 up to twenty,
+    else colours spread over its turbo map."""
+    import matplotlib
+    if count <= 10:
+        return [f'C{index}' for index in range(count)]
+    if count <= 20:
+        return list(matplotlib.colormaps['tab20'].colors[:count])
+    return [matplotlib.colormaps['turbo'](index / (count - 1)) for index in range(count)]
+
+
 def resolution_figure(table: list, runs: list, factors: Sequence[float], labels: dict,
                       test: SizeTest = SIZE_TESTS[0]):
     """Top-1 against the test size (times the training size) per row: the mean over seeds as a line,
@@ -574,10 +585,9 @@ def resolution_figure(table: list, runs: list, factors: Sequence[float], labels:
     sizes = list(runs[0][test.record_key])
     with plt.rc_context(FIGURE_STYLE):
         fig, axis = plt.subplots(figsize=(11, 5.2))
-        for index, line in enumerate(table):
+        for line, colour in zip(table, row_colours(len(table))):
             per_seed = [[run[test.record_key][size] for size in sizes] for run in runs if run['row'] == line['row']]
             by_size = list(zip(*per_seed))
-            colour = f'C{index % 10}'  # ten rows at most: one colour each
             axis.plot(factors, [statistics.fmean(values) for values in by_size], color=colour, marker='o',
                       label=f'{line["model"]} ({len(per_seed)} seeds)')
             axis.fill_between(factors, [min(values) for values in by_size],
