@@ -435,8 +435,9 @@ def test_every_row_of_a_figure_has_a_colour_of_its_own(count):
     figure = tool.resolution_figure(tool.summarise(runs, rows), runs, (0.5, 1.0), labels)
     drawn = [to_rgba(line.get_color()) for line in figure.axes[0].lines if line.get_label().startswith('r')]
     assert len(drawn) == count and len(set(drawn)) == count
-    figure = tool.comparison_figure(runs, tool.summarise(runs, rows), rows, labels)
-    assert len({to_rgba(line.get_color()) for line in figure.axes[0].lines if line.get_label().startswith('r')}) == count
+    figure = tool.comparison_figure(runs, tool.summarise(runs, rows), rows, labels)  # a curve per run
+    curves = [to_rgba(line.get_color()) for line in figure.axes[0].lines if line.get_label().startswith('r')]
+    assert len(curves) == count and len(set(curves)) == count
 
 
 def test_the_resolution_experiment_tests_each_row_at_half_to_twice_its_training_size():

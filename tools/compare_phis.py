@@ -76,8 +76,8 @@ A run that finished before in the work dir with the same config and overrides (i
 reused, not trained again, and a size it was tested at is not tested again: an interrupted study goes
 on where it stopped. ``--report`` trains and tests nothing: it makes the tables, figures and step
 timing of the runs that finished, each row over the seeds it has (for example five seeds for the rows
-whose spread was large and three for the others: ``--seeds 0 1 2 3 4 --report``). A run's folder that holds anything else (an interrupted run, or one of another
-config) is moved to ``<seed folder>.before-<time>`` and the run trained afresh. Delete a run's folder
+whose spread was large and three for the others: ``--seeds 0 1 2 3 4 --report``). A run's folder
+that holds anything else (an interrupted run, or one of another config) is moved to ``<seed folder>.before-<time>`` and the run trained afresh. Delete a run's folder
 to rerun it. Writes to the work dir: ``comparison.json`` (every run: validation top-1 per epoch,
 parameters, wall time, top-1 per test size, and ``logged_step_time_s``, the median step time over
 mmengine's logged windows of the run, which other jobs on the machine inflate; the table, the step
@@ -634,7 +634,8 @@ def main(argv=None):
         if run is not None:
             run['row'] = name  # a run of the same config and options recorded under another study's row name
         if args.report:
-            missing = 'no run with this config finished there' if run is None else untested(run, study, run_configs[name], row)
+            missing = ('no run with this config finished there' if run is None
+                       else untested(run, study, run_configs[name], row))
             if missing:
                 print(f'    {missing}: left out of the tables', flush=True)
             else:
