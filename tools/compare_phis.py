@@ -343,15 +343,16 @@ def config_digest(cfg: Config, options: list) -> str:
     return hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def untested(run: dict, study, cfg: Config, row: Row) -> Optional[str]:
-    """What ``run`` lacks of the study's tests at other sizes ('not tested with --extent at 64, 128 px'),
-    else None."""
+def pending_tests(run: dict, study, cfg: Config, row: Row) -> list:
+    """The study's tests at other sizes that ``run`` has no record of at the sizes they now give:
+    (test, sizes) each, in the order of ``SIZE_TESTS``."""
+    pending = []
     for test in SIZE_TESTS:
         factors = getattr(study, test.factors_key)
         sizes = test_sizes(cfg, factors, row.config) if factors else []
         if sizes and list(run.get(test.record_key, ())) != list(map(str, sizes)):
-            return f'not tested with {test.option} at {", ".join(map(str, sizes))} px'
-    return None
+            pending.append((test, sizes))
+    return pending
 
 
 def finished_run(work_dir: Path, options: list, digest: str):
@@ -634,9 +635,10 @@ def main(argv=None):
         if run is not None:
             run['row'] = name  # a run of the same config and options recorded under another study's row name
         if args.report:
-            missing = ('no run with this config finished there' if run is None
-                       else untested(run, study, run_configs[name], row))
-            if missing:
+            pending = [] if run is None else pending_tests(run, study, run_configs[name], row)
+            if run is None or pending:
+                missing = ('no run with this config finished there' if run is None else
+                           f'not tested with {pending[0][0].option} at {", ".join(map(str, pending[0][1]))} px')
                 print(f'    {missing}: left out of the tables', flush=True)
             else:
                 runs.append(run)
@@ -652,16 +654,13 @@ def main(argv=None):
         if study.analyse and 'nonlocality' not in run:
             run['nonlocality'] = measure_nonlocality(row, config, options, run_dir)
             (run_dir / RUN_RECORD).write_text(json.dumps(run, indent=1))
-        for test in SIZE_TESTS:
-            factors = getattr(study, test.factors_key)
-            sizes = test_sizes(run_configs[name], factors, row.config) if factors else []
-            if sizes and list(run.get(test.record_key, ())) != list(map(str, sizes)):
-                with open(work_dir / f'{test.folder}.log', 'a') as log:
-                    run[test.record_key] = evaluate_at_sizes(config, options, run_dir, sizes, log, test)
-                (run_dir / RUN_RECORD).write_text(json.dumps(run, indent=1))
-                print(f'    top-1 ({test.option}) at ' + ', '.join(f'{size} px {top1:.1f}%'
-                                                               for size, top1 in run[test.record_key].items()),
-                      flush=True)
+        for test, sizes in pending_tests(run, study, run_configs[name], row):
+            with open(work_dir / f'{test.folder}.log', 'a') as log:
+                run[test.record_key] = evaluate_at_sizes(config, options, run_dir, sizes, log, test)
+            (run_dir / RUN_RECORD).write_text(json.dumps(run, indent=1))
+            print(f'    top-1 ({test.option}) at ' + ', '.join(f'{size} px {top1:.1f}%'
+                                                           for size, top1 in run[test.record_key].items()),
+                  flush=True)
         runs.append(run)
         print(f'    top-1 {run["top1_per_epoch"][-1]:.1f}% after {len(run["top1_per_epoch"])} epochs, '
               f'{run["wall_s"] / 60:.1f} min', flush=True)
