@@ -8,6 +8,7 @@ with a freshly built layer holding the same weights.
 import contextlib
 import copy
 import io
+import itertools
 import threading
 
 import pytest
@@ -374,3 +375,59 @@ def test_export_works_and_leaves_eager_results_untouched(name, kwargs):
     out = other(torch.randn(2, 3, 64, 80))
     assert type(out) is torch.Tensor
     out.sum().backward()
+
+
+def _blocks_closing_in_order(layer, x, close_order):
+    """Opens one ``cache_positions`` block on ``layer`` per thread, in thread order, each running the
+    layer inside it, then closes them in ``close_order``; returns, after each close, the cache that
+    then served the layer and the caches of the blocks still open."""
+    count = len(close_order)
+    entered = [threading.Event() for _ in range(count)]
+    may_close = [threading.Event() for _ in range(count)]
+    closed = [threading.Event() for _ in range(count)]
+    caches, errors = [None] * count, []
+
+    def block(index):
+        try:
+            if index:
+                entered[index - 1].wait(10)
+            with cache_positions(layer) as cache:
+                caches[index] = cache
+                output(layer, x)
+                entered[index].set()
+                may_close[index].wait(10)
+        except Exception as error:  # reported below
+            errors.append(error)
+        finally:
+            closed[index].set()
+
+    threads = [threading.Thread(target=block, args=(index,)) for index in range(count)]
+    for thread in threads:
+        thread.start()
+    entered[-1].wait(10)
+    seen = []
+    for position, index in enumerate(close_order):
+        may_close[index].set()
+        closed[index].wait(10)
+        still_open = [caches[i] for i in close_order[position + 1:]]
+        seen.append((layer.phi.position_cache, still_open))
+    for thread in threads:
+        thread.join(10)
+    assert not errors
+    return caches, seen
+
+
+@pytest.mark.parametrize('close_order', [(0, 1), (1, 0), *itertools.permutations(range(3))],
+                         ids=lambda order: 'close ' + '-'.join('ABC'[i] for i in order))
+def test_overlapping_blocks_close_in_any_order_from_threads(close_order):
+    """Blocks opened in threads A, B(, C) on one model and closed in every order: while blocks are
+    open the newest of them serves; after the last closes nothing does, and a ``.data`` write (which
+    no version counter sees) is computed afresh."""
+    layer, x = peripheral_layer(), tokens()
+    caches, seen = _blocks_closing_in_order(layer, x, list(close_order))
+    newest_open = [max(still_open, key=caches.index) if still_open else None for _, still_open in seen]
+    assert [serving for serving, _ in seen] == newest_open
+    assert layer.phi.position_cache is None and all(len(cache) == 0 for cache in caches)
+    with torch.no_grad():
+        layer.phi.norm2_bias.data.add_(1.0)
+    assert_fresh(layer, x)

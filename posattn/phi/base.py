@@ -269,13 +269,15 @@ def cache_positions(model: nn.Module, max_bytes: int = 1 << 30) -> Iterator[Posi
     unchanged (:class:`~posattn.phi.cache.PositionCache` says what it checks). Leaving the block
     detaches and empties the cache, freeing its memory; ``cache.clear()`` empties it inside. Outside
     such a block nothing is cached: every call computes its bias. The modules of ``model`` as they
-    are when the block opens are served; a copy made inside the block is not.
+    are when the block opens are served; a copy made inside the block is not. Blocks on one model may
+    overlap and close in any order, from any thread: the newest block still open serves, and once
+    the last one closes nothing is cached for the model.
     """
     cache = PositionCache(max_bytes)
     phis = [module for module in model.modules() if isinstance(module, PositionalModule)]
-    previous = attach(phis, cache)
+    attach(phis, cache)
     try:
         yield cache
     finally:
-        detach(phis, previous)
+        detach(phis, cache)
         cache.clear()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Callable, Hashable, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Hashable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -102,29 +102,33 @@ class PositionCache:
 
 
 _lock = threading.Lock()
-_attached: 'weakref.WeakKeyDictionary[nn.Module, PositionCache]' = weakref.WeakKeyDictionary()
+# Per module, the caches of the blocks open on it, oldest first: the newest serves it. A block
+# removes its own cache wherever it stands, so blocks may close in any order, from any thread.
+_attached: 'weakref.WeakKeyDictionary[nn.Module, List[PositionCache]]' = weakref.WeakKeyDictionary()
 
 
 def attached_cache(module: nn.Module) -> Optional[PositionCache]:
-    """The cache serving ``module`` now, or None."""
+    """The cache serving ``module`` now (that of the newest block open on it), or None."""
     with _lock:
-        return _attached.get(module)
+        caches = _attached.get(module)
+        return caches[-1] if caches else None
 
 
-def attach(modules: Sequence[nn.Module], cache: PositionCache) -> Tuple[Optional[PositionCache], ...]:
-    """Serve ``modules`` from ``cache``; returns the caches they had, for :func:`detach`."""
+def attach(modules: Sequence[nn.Module], cache: PositionCache) -> None:
+    """Serve ``modules`` from ``cache`` until :func:`detach` removes it."""
     with _lock:
-        previous = tuple(_attached.get(module) for module in modules)
         for module in modules:
-            _attached[module] = cache
-        return previous
+            _attached.setdefault(module, []).append(cache)
 
 
-def detach(modules: Sequence[nn.Module], previous: Sequence[Optional[PositionCache]]) -> None:
-    """Give ``modules`` back the caches :func:`attach` returned."""
+def detach(modules: Sequence[nn.Module], cache: PositionCache) -> None:
+    """Stop serving ``modules`` from ``cache``; each is served again by the newest cache still
+    attached to it, or by none."""
     with _lock:
-        for module, before in zip(modules, previous):
-            if before is None:
-                _attached.pop(module, None)
+        for module in modules:
+            caches = _attached.get(module, [])
+            kept = [attached for attached in caches if attached is not cache]
+            if kept:
+                _attached[module] = kept
             else:
-                _attached[module] = before
+                _attached.pop(module, None)
