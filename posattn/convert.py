@@ -71,6 +71,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
+from .phi.record import PhiRecord, saved_records
+
 __all__ = ['read_checkpoint', 'allow_checkpoint_globals', 'pervit_from_release', 'is_pervit_release',
            'is_mmengine_checkpoint', 'mmengine_to_posattn', 'is_mmpretrain_vit', 'mmpretrain_vit_to_posattn',
            'is_deit3_release', 'to_posattn_layout', 'unwrap_state_dict', 'without_cancelled_biases']
@@ -219,17 +221,30 @@ _PERVIT_RELEASE_RENAMES = [
 ]
 
 
-def unwrap_state_dict(checkpoint: Mapping[str, Any]) -> StateDict:
-    """The state_dict of a checkpoint: the mapping itself, its ``'model'`` entry (the release's,
-    DeiT's and timm's training checkpoints, which also hold the optimiser and arguments) or its
-    ``'state_dict'`` entry (mmengine's). The one place that knows what wraps a state_dict."""
+def _wrapped_state_dict(checkpoint: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The one place that knows what wraps a state_dict (:func:`unwrap_state_dict`)."""
     if not isinstance(checkpoint, Mapping):
         raise TypeError(f'a checkpoint is a state_dict or a dict with a "model" state_dict (or a "state_dict" '
                         f'one, as mmengine saves), got {type(checkpoint).__name__}')
     for entry in ('model', 'state_dict'):
         if isinstance(checkpoint.get(entry), Mapping):
-            return dict(checkpoint[entry])
-    return dict(checkpoint)
+            return checkpoint[entry]
+    return checkpoint
+
+
+def unwrap_state_dict(checkpoint: Mapping[str, Any]) -> StateDict:
+    """The state_dict of a checkpoint: the mapping itself, its ``'model'`` entry (the release's,
+    DeiT's and timm's training checkpoints, which also hold the optimiser and arguments) or its
+    ``'state_dict'`` entry (mmengine's), as a new dict."""
+    return dict(_wrapped_state_dict(checkpoint))
+
+
+def saved_phi_records(checkpoint: Mapping[str, Any]) -> Dict[str, PhiRecord]:
+    """What the Φp of the model a checkpoint (or state_dict) was saved from are, ``{module path:
+    record}`` under that model's paths (:mod:`posattn.phi.record`); empty for weights that record
+    none (other code bases', and posattn's saved before Φp recorded themselves). Conversions of the
+    keys leave the records as they are: loading matches them to the receiving model's Φp by path."""
+    return saved_records(_wrapped_state_dict(checkpoint))
 
 
 def _renamed(state_dict: Mapping[str, Any], renames: Sequence[Tuple[str, str]]) -> StateDict:

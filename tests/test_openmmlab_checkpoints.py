@@ -638,3 +638,38 @@ def test_evaluation_runs_inside_the_position_cache(tmp_path):
     assert first_cache is not None and runner.model.caches_seen == [first_cache, 1] * 3
     assert all(bias is runner.model.biases[0] for bias in runner.model.biases)  # computed once, then served
     assert runner.model.attention.phi.position_cache is None and len(first_cache) == 0
+
+
+def vit_classifier(**phi):
+    from mmpretrain.registry import MODELS
+    backbone = dict(type='PosattnViT', arch=dict(embed_dims=32, num_layers=2, num_heads=2, feedforward_channels=64),
+                    img_size=32, patch_size=8, **phi)
+    return MODELS.build(dict(type='ImageClassifier', backbone=backbone,
+                             head=dict(type='VisionTransformerClsHead', num_classes=3, in_channels=32)))
+
+
+def test_checkpoints_of_another_phi_are_refused_by_load_from_resume_and_pretrained_init(tmp_path, monkeypatch):
+    """A checkpoint written as mmengine writes one (its state_dict's records under ``backbone.model.``)
+    of a ViT with RoPE's 'xy' axis order, into one with 'yx': the same keys and shapes. ``load_from``,
+    ``resume`` and tools/test.py refuse it naming both; a partial load skips that Φp; a backbone's
+    ``Pretrained`` init refuses it too."""
+    from mmengine.runner.checkpoint import weights_to_cpu
+    saved = vit_classifier(phi='rope', phi_cfg=dict(axis_order='xy'))
+    checkpoint = {'meta': {}, 'state_dict': weights_to_cpu(saved.state_dict())}
+    model = vit_classifier(phi='rope')
+    with pytest.raises(ValueError) as error:
+        load_model_weights(model, checkpoint, source='x.pth', target='the classifier')
+    assert ("other Φp (2): backbone.model.blocks.0.attn.phi: the weights are those of a rope Φp with axis_order='xy', "
+            "this one has axis_order='yx'") in str(error.value)
+    monkeypatch.setattr(runner_module, 'print_log', lambda *args, **kwargs: None)
+    skipped = load_model_weights(model, checkpoint, source='x.pth', target='the classifier', partial=True)
+    assert skipped[0].startswith("other Φp: backbone.model.blocks.0.attn.phi: the weights are those of a rope Φp")
+    assert torch.equal(model.backbone.model.blocks[1].attn.qkv.weight, saved.backbone.model.blocks[1].attn.qkv.weight)
+
+    path = tmp_path / 'classifier.pth'
+    torch.save(checkpoint, path)
+    backbone = vit_classifier(phi='rope').backbone
+    backbone.init_cfg = dict(type='Pretrained', checkpoint=str(path), prefix='backbone.')
+    with pytest.raises(ValueError, match=r"blocks\.0\.attn\.phi: the weights are those of a rope Φp with "
+                                         r"axis_order='xy'"):
+        backbone.init_weights()

@@ -131,14 +131,16 @@ def test_some_phi_keys_are_refused_naming_them():
 def test_another_phis_weights_are_refused_with_the_keys_that_differ():
     _, swapped = swapped_pair('peripheral')
     _, irpe = swapped_pair('irpe')
+    with pytest.raises(RuntimeError, match=r"blocks\.0\.attn\.phi: the weights are those of irpe\(method='product'"):
+        posattn.load_original_weights(swapped, irpe.state_dict())  # their records say whose they are
     with pytest.raises(ValueError) as refusal:
-        posattn.load_original_weights(swapped, irpe.state_dict())
+        posattn.load_original_weights(swapped, dict(irpe.state_dict()))  # without: their keys
     assert str(refusal.value).endswith(
         "which hold every key but the Φp's:\n"
         "  unexpected keys (2): blocks.0.attn.phi.rpe_k.lookup_table_weight, "
         "blocks.1.attn.phi.rpe_k.lookup_table_weight")
     with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "blocks\.0\.attn\.phi\.rpe_k'):
-        swapped.load_state_dict(irpe.state_dict())
+        swapped.load_state_dict(dict(irpe.state_dict()))
 
 
 def test_a_missing_key_an_unexpected_key_and_a_wrong_shape_are_refused():

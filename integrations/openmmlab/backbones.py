@@ -37,7 +37,7 @@ from mmengine.model import BaseModule
 from mmengine.registry import MODELS
 from torch import nn
 
-from posattn.convert import to_posattn_layout
+from posattn.convert import saved_phi_records, to_posattn_layout
 from posattn.grid import TokenGrid
 from posattn.models.model_api import resolve_block_indices
 from posattn.models.pervit import PERVIT_ARCHS, PerViT
@@ -231,7 +231,8 @@ class _TokenBackbone(BaseModule):
         state_dict, layout = to_posattn_layout(raw, prefix=prefix, source=checkpoint)
         source = f'checkpoint {where} ({layout} layout)'
         skipped, fresh = load_pretrained(self.model, state_dict, source=source, target=name,
-                                         strict=cfg.get('strict', True), ignore=('head.',), remedy=_backbone_remedy)
+                                         strict=cfg.get('strict', True), ignore=('head.',), remedy=_backbone_remedy,
+                                         saved_phis=saved_phi_records(raw))
         if fresh is not None:
             print_log(fresh, logger='current', level=logging.WARNING)
         if skipped:

@@ -62,7 +62,7 @@ from mmengine.model import is_model_wrapper
 from mmengine.registry import RUNNERS
 from mmengine.runner import Runner
 
-from posattn.convert import to_posattn_layout, unwrap_state_dict, without_cancelled_biases
+from posattn.convert import saved_phi_records, to_posattn_layout, unwrap_state_dict, without_cancelled_biases
 from posattn.models.registry import fitting_model, load_weights, state_dict_mismatch
 
 from ._compat import (has_loaded_checkpoint, mark_checkpoint_loaded, request_resume, resume_request,
@@ -135,7 +135,7 @@ def load_model_weights(model: torch.nn.Module, checkpoint: Any, *, source: str, 
                                         f'load would load nothing', *_mismatch_hints(model, saved, source)]))
     try:
         skipped = load_weights(model, state_dict, source=f'checkpoint {source}', target=target, strict=not partial,
-                               remedy=None)  # what the checkpoint holds: _mismatch_hints, for configs
+                               remedy=None, saved_phis=saved_phi_records(checkpoint))  # what the checkpoint holds: _mismatch_hints, for configs
     except ValueError as error:
         hints = _mismatch_hints(model, saved, source)
         raise ValueError('\n'.join([str(error), *hints, PARTIAL_LOAD_HINT])) from None

@@ -11,12 +11,13 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..convert import read_checkpoint, to_posattn_layout
+from ..convert import read_checkpoint, saved_phi_records, to_posattn_layout
 from ..phi import PositionalModule
+from ..phi.record import PhiMismatch, PhiRecord, mismatches, saved_records
 from .pos_embed import resample_abs_pos_embed, square_grid
 
 __all__ = ['register_model', 'create_model', 'create_from_arch', 'list_models', 'load_weights',
-           'load_pretrained', 'load_checkpoint', 'fitting_model', 'state_dict_mismatch']
+           'load_pretrained', 'load_checkpoint', 'fitting_model', 'state_dict_mismatch', 'other_phis']
 
 _MODELS: Dict[str, Callable[..., nn.Module]] = {}
 _LISTED = 8  # keys shown per kind of mismatch
@@ -119,7 +120,8 @@ def _load_read_checkpoint(model: nn.Module, contents: Any, path: str, *, target:
         theirs, ours = _classifier_sizes(found, head)
         warnings.warn(f'{target}: the classifier of {source} ({theirs}) is not loaded: the model has {ours}',
                       stacklevel=3)
-    _, report = load_pretrained(model, state_dict, source=source, target=target, ignore=ignore)
+    _, report = load_pretrained(model, state_dict, source=source, target=target, ignore=ignore,
+                                saved_phis=saved_phi_records(contents))
     if report is not None:
         warnings.warn(report, stacklevel=3)
 
@@ -213,9 +215,17 @@ def _deit3_hint(model: nn.Module, state_dict: Mapping[str, Any], missing: Sequen
     return None
 
 
+def other_phis(model: nn.Module, saved_phis: Mapping[str, PhiRecord]) -> List[PhiMismatch]:
+    """The Φp of ``model`` whose weights, as ``saved_phis`` records them, are another Φp's (another
+    name, or settings that compute otherwise): :mod:`posattn.phi.record`."""
+    return mismatches(((path, module.state_dict_record()) for path, module in model.named_modules()
+                       if isinstance(module, PositionalModule)), saved_phis)
+
+
 def load_weights(model: nn.Module, state_dict: Mapping[str, Any], *, source: str, target: str,
                  strict: bool = True, ignore: Sequence[str] = (),
-                 remedy: Optional[Callable[[str], str]] = _create_model_remedy) -> List[str]:
+                 remedy: Optional[Callable[[str], str]] = _create_model_remedy,
+                 saved_phis: Optional[Mapping[str, PhiRecord]] = None) -> List[str]:
     """Load ``state_dict`` (posattn's layout) into ``model``; the one place posattn checks a fit.
 
     Args:
@@ -227,27 +237,40 @@ def load_weights(model: nn.Module, state_dict: Mapping[str, Any], *, source: str
         ignore: key prefixes left out on both sides (e.g. ``('head.',)``: not loaded, not checked).
         remedy: given the registered model the weights fit, what to do instead, for the error
             (default: the ``create_model`` call that loads them); None leaves that line out.
+        saved_phis: what the weights' Φp are (:func:`posattn.convert.saved_phi_records` of the
+            checkpoint as saved, before its keys were converted); by default ``state_dict``'s own
+            records. A Φp of ``model`` whose weights are another Φp's is an error with ``strict``;
+            without, its weights are skipped.
 
     Returns:
         The keys that were not loaded, each with the reason ('missing: ...', 'unexpected: ...',
-        'wrong shape: ...'); empty when everything fit.
+        'wrong shape: ...', 'other Φp: ...'); empty when everything fit.
     """
+    others = other_phis(model, saved_records(state_dict) if saved_phis is None else saved_phis)
+    if not strict:  # the weights of another Φp are not loaded into this one
+        ignore = (*ignore, *(other.path + '.' for other in others))
     missing, unexpected, wrong = state_dict_mismatch(model, state_dict, ignore)
     model_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     wrong = [f'{k}: checkpoint {tuple(state_dict[k].shape)}, model {model_shapes[k]}' for k in wrong]
-    if strict and (missing or unexpected or wrong):
+    if strict and (missing or unexpected or wrong or others):
         lines = [f'{source} does not fit {target}:']
         fitting = fitting_model(state_dict) if remedy is not None else None
         if fitting is not None and fitting != target:
             lines.append(f'  this is a {fitting} checkpoint: {remedy(fitting)}')
-        elif not (missing or unexpected) and all(k.startswith('head.') for k in wrong) and 'head.weight' in state_dict:
+        elif wrong and not (missing or unexpected or others) and all(k.startswith('head.') for k in wrong) \
+                and 'head.weight' in state_dict:
             lines.append(f'  only the classifier differs: pass num_classes={state_dict["head.weight"].shape[0]}')
         elif 'dist_token' in unexpected:
             lines.append("  these are a distilled DeiT's weights (dist_token, head_dist): posattn's ViT has a class "
                          'token only; start from the DeiT weights without distillation')
         elif (hint := _deit3_hint(model, state_dict, missing, unexpected)) is not None:
             lines.append('  ' + hint)
-        for label, items in (('missing keys', missing), ('unexpected keys', unexpected), ('wrong shapes', wrong)):
+        elif others and not (missing or unexpected or wrong):
+            lines.append('  its Φp are others than the model\'s: build the model with the Φp (and options) the weights '
+                         'were saved with')
+        mismatched_phis = [f'{other.path}: {other.problem}' for other in others]
+        for label, items in (('missing keys', missing), ('unexpected keys', unexpected), ('wrong shapes', wrong),
+                             ('other Φp', mismatched_phis)):
             if items:
                 lines.append(_listed(label, items))
         raise ValueError('\n'.join(lines))
@@ -255,7 +278,7 @@ def load_weights(model: nn.Module, state_dict: Mapping[str, Any], *, source: str
                 if k in model_shapes and tuple(v.shape) == model_shapes[k] and not any(k.startswith(p) for p in ignore)}
     model.load_state_dict(loadable, strict=False)
     return ([f'missing: {k}' for k in missing] + [f'unexpected: {k}' for k in unexpected]
-            + [f'wrong shape: {entry}' for entry in wrong])
+            + [f'wrong shape: {entry}' for entry in wrong] + [f'other Φp: {o.path}: {o.problem}' for o in others])
 
 
 def _positional_prefixes(model: nn.Module) -> List[str]:
@@ -323,7 +346,8 @@ def _resampled_pos_embed(model: nn.Module, state_dict: Mapping[str, Any]) -> Tup
 
 def load_pretrained(model: nn.Module, state_dict: Mapping[str, Any], *, source: str, target: str,
                     strict: bool = True, ignore: Sequence[str] = (),
-                    remedy: Optional[Callable[[str], str]] = _create_model_remedy) -> Tuple[List[str], Optional[str]]:
+                    remedy: Optional[Callable[[str], str]] = _create_model_remedy,
+                    saved_phis: Optional[Mapping[str, PhiRecord]] = None) -> Tuple[List[str], Optional[str]]:
     """:func:`load_weights` for starting a model from weights of one without its position encoding:
     a plain ViT / DeiT's (timm's or mmpretrain's, converted) into a ViT with any Φp.
 
@@ -332,7 +356,7 @@ def load_pretrained(model: nn.Module, state_dict: Mapping[str, Any], *, source: 
     - weights that hold no key of the model's positional modules (each attention layer's Φp,
       under ``blocks.{i}.attn.phi.``, and a ViT's PEGs, under ``pegs.{i}.``: every
       :class:`posattn.PositionalModule` with parameters or buffers) leave all of them at their
-      own initialisation. Weights that hold some (those of another Φp, or of some layers only)
+      own initialisation; where the weights record their Φp, it is ``none``. Weights that hold some (those of another Φp, or of some layers only)
       are not a plain ViT's and load strictly, so that the other Φp's keys, or the ones left out,
       are an error.
     - a model built without a learned position embedding (``pos_embed`` is None, as in posattn's
@@ -358,7 +382,8 @@ def load_pretrained(model: nn.Module, state_dict: Mapping[str, Any], *, source: 
     kept = {k: v for k, v in state_dict.items() if not (dropped and k == 'pos_embed')}
     kept, resampled = _resampled_pos_embed(model, kept)
     skipped = load_weights(model, kept, source=source, target=target, strict=strict,
-                           ignore=(*ignore, *fresh_prefixes), remedy=remedy)
+                           ignore=(*ignore, *fresh_prefixes), remedy=remedy,
+                           saved_phis=saved_records(state_dict) if saved_phis is None else saved_phis)
     fresh = [k for k in model.state_dict() if k.startswith(tuple(fresh_prefixes))]
     parts = []
     if fresh:

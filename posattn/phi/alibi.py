@@ -18,6 +18,8 @@ pair by pair: :func:`posattn.reference.alibi_bias`.
 """
 from __future__ import annotations
 
+from typing import Any, Dict
+
 import torch
 
 from .._cache import grid_constant
@@ -88,5 +90,5 @@ class ALiBi2D(PositionalModule):
         bias = -slopes[:, None, None] * distances  # (heads, HW, HW)
         return grid.pad_prefix(bias).unsqueeze(0).to(dtype)
 
-    def extra_repr(self) -> str:
-        return f'num_heads={self.num_heads}'
+    def settings(self) -> Dict[str, Any]:
+        return {'num_heads': self.num_heads}  # the slopes depend on the number of heads

@@ -30,16 +30,17 @@ position inputs, is by default every parameter and buffer it holds (:meth:`posit
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, FrozenSet, Hashable, Iterable, Iterator, Mapping, Optional, Tuple
+from typing import Any, Callable, ClassVar, Dict, FrozenSet, Hashable, Iterable, Iterator, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.nn.utils import prune
 
 from .._cache import cacheable_context
-from .._compat import ConversionNotified
+from .._compat import ConversionNotified, RecordedInStateDict
 from ..grid import TokenGrid
 from .cache import PositionCache, attach, attached_cache, detach
+from .record import RECORD_KEY, PhiRecord, difference
 
 __all__ = ['PositionalModule', 'HOOKS', 'cache_positions']
 
@@ -47,7 +48,7 @@ __all__ = ['PositionalModule', 'HOOKS', 'cache_positions']
 HOOKS = ('tokens', 'queries_keys', 'logits_bias', 'mix_probabilities', 'value_term')
 
 
-class PositionalModule(ConversionNotified):
+class PositionalModule(ConversionNotified, RecordedInStateDict):
     """Base class of every Φp; subclasses register with :func:`posattn.register_phi`.
 
     Args:
@@ -65,7 +66,14 @@ class PositionalModule(ConversionNotified):
     ``torch.nn.utils.prune``, which recomputes its weight in one, is refused. To observe what the
     softmax sees, hook the layer's ``logits_probe``; to reparametrize a weight, use
     ``torch.nn.utils.parametrize``, which applies at every read.
+
+    A Φp states the options that change what it computes in :meth:`settings`; its saved weights
+    record them with its name (:mod:`posattn.phi.record`), and loading weights recorded for another
+    Φp or other settings is refused, both named.
     """
+
+    registered_name: ClassVar[Optional[str]] = None  # set by register_phi on the class it registers
+    record_key = RECORD_KEY
 
     def __init__(self, hooks: Optional[Iterable[str]] = None, *, bias_per_image: bool = False,
                  call_inputs: Iterable[str] = ()):
@@ -131,6 +139,31 @@ class PositionalModule(ConversionNotified):
         """Whether a declared hook reads the (B, heads, N, N) probabilities (a mixture or a value
         term), which the layer then materialises (no fused kernel)."""
         return self.contributes('mix_probabilities') or self.contributes('value_term')
+
+    # What this Φp is: shown in its repr, recorded with its weights, checked when weights load.
+
+    @property
+    def phi_name(self) -> str:
+        """The name this Φp's class is registered under (``'rope'``), or its class name if it is not."""
+        return type(self).__dict__.get('registered_name') or type(self).__name__
+
+    def settings(self) -> Dict[str, Any]:
+        """The options that change what this Φp computes for given weights (not those that only
+        initialise them), as plain values (str, int, float, bool, None, tuples of them)."""
+        return {}
+
+    def state_dict_record(self) -> PhiRecord:
+        """What this Φp's saved weights say it is: ``{'name': phi_name, 'settings': settings()}``."""
+        return {'name': self.phi_name, 'settings': self.settings()}
+
+    def extra_repr(self) -> str:
+        return ', '.join(f'{option}={value!r}' for option, value in self.settings().items())
+
+    def record_problem(self, record: Mapping[str, Any]) -> Optional[str]:
+        problem = difference(record, self.state_dict_record())
+        return None if problem is None else (
+            f'{problem}. Build the model with the Φp the weights were saved with; to load them into this one '
+            'deliberately, load a plain copy, load_state_dict(dict(state_dict)), which carries no record')
 
     # The hooks: each the identity or nothing, for the Φp to override where it declares one.
 

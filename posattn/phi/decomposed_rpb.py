@@ -20,7 +20,7 @@ and :func:`posattn.reference.linear_resize`.
 """
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import Any, Dict, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -128,6 +128,5 @@ class DecomposedRelativePositionBias(PositionalModule):
         bias = (row_terms[..., :, None] + col_terms[..., None, :]).flatten(4).flatten(2, 3)  # (B, heads, HW, HW)
         return grid.pad_prefix(bias).to(q.dtype)
 
-    def extra_repr(self) -> str:
-        return (f'head_dim={self.head_dim}, table_size={self.table_size}, '
-                f'num_prefix_tokens={self.num_prefix_tokens}')
+    def settings(self) -> Dict[str, Any]:
+        return {'head_dim': self.head_dim, 'table_size': self.table_size, 'num_prefix_tokens': self.num_prefix_tokens}

@@ -32,7 +32,7 @@ layer keeps its own initialisation of it. The formula, pair by pair:
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -176,6 +176,6 @@ class GatedPositionalAttention(PositionalModule):
         total = mixed.sum(-1, keepdim=True)  # < 1 where masking left a grid query no grid key
         return mixed / total.masked_fill(total == 0, 1.0)
 
-    def extra_repr(self) -> str:
-        return (f'num_heads={self.num_heads}, locality_strength={self.locality_strength}, '
-                f'local_init={self.local_init}, num_prefix_tokens={self.num_prefix_tokens}')
+    def settings(self) -> Dict[str, Any]:
+        # locality_strength and local_init only initialise pos_proj
+        return {'num_heads': self.num_heads, 'num_prefix_tokens': self.num_prefix_tokens}

@@ -14,7 +14,7 @@ and multiplied by T_v.
 from __future__ import annotations
 
 import math
-from typing import List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -268,7 +268,6 @@ class IRPE(PositionalModule):
             for name, param in module.named_parameters():
                 param.copy_(named[name])
 
-    def extra_repr(self) -> str:
-        return (f'method={self.method!r}, mode={self.mode!r}, on={self.on!r}, shared_head={self.shared_head}, '
-                f'ratio={self.ratio}, num_prefix_tokens={self.num_prefix_tokens}, '
-                f'num_buckets={self.num_buckets}')
+    def settings(self) -> Dict[str, Any]:
+        return {'method': self.method, 'mode': self.mode, 'on': self.on, 'shared_head': self.shared_head,
+                'ratio': self.ratio, 'num_prefix_tokens': self.num_prefix_tokens}

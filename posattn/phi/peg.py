@@ -8,6 +8,8 @@ own residual, placed on the attention branch's input (``residual=False``).
 """
 from __future__ import annotations
 
+from typing import Any, Dict
+
 import torch
 from einops import rearrange
 from torch import nn
@@ -44,5 +46,5 @@ class PositionEncodingGenerator(PositionalModule):
             out = out + feature_map
         return torch.cat([prefix, rearrange(out, 'b c h w -> b (h w) c')], dim=1)
 
-    def extra_repr(self) -> str:
-        return f'residual={self.residual}'
+    def settings(self) -> Dict[str, Any]:
+        return {'residual': self.residual}

@@ -20,7 +20,7 @@ projection: z = IN2(PP2(R))).
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -279,7 +279,7 @@ class PeripheralPhi(PositionalModule):
         bias = grid.pad_prefix(self.log_position_attention(grid.height, grid.width, distance_embedding))
         return bias.to(dtype).unsqueeze(0)  # (1, heads, N, N)
 
-    def extra_repr(self) -> str:
-        return (f'num_heads={self.num_heads}' + ('' if self.init == 'peripheral' else f', init={self.init!r}')
-                + (', shared_embedding=True' if self.distance_embedding is None else '')
-                + ('' if self.is_pervit_design else f', design={self.design!r}'))
+    def settings(self) -> Dict[str, Any]:
+        # init and the layer's place only initialise the weights
+        return {'num_heads': self.num_heads, 'shared_embedding': self.distance_embedding is None,
+                'embedding': self.embedding, 'neighbourhood': self.neighbourhood, 'multi_layer': self.multi_layer}

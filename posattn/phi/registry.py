@@ -24,6 +24,7 @@ def register_phi(name: str) -> Callable[[PhiClass], PhiClass]:
         if name in _PHIS and _PHIS[name] is not cls:
             raise ValueError(f'Φp name {name!r} is already registered by {_PHIS[name].__qualname__}')
         _PHIS[name] = cls
+        cls.registered_name = name
         return cls
     return add
 

@@ -40,7 +40,7 @@ pair: :func:`posattn.reference.rope_rotate`.
 from __future__ import annotations
 
 import numbers
-from typing import Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -255,12 +255,9 @@ class RotaryPositionEmbedding(PositionalModule):
         angles = coordinates[:, 0, None] * freqs[0][:, None] + coordinates[:, 1, None] * freqs[1][:, None]
         return _cos_sin(angles)  # angles (heads, HW, d / 2)
 
-    def extra_repr(self) -> str:
-        options = [f'head_dim={self.head_dim}', f'num_heads={self.num_heads}', f'frequencies={self.frequencies!r}',
-                   f'temperature={self.temperature:g}']
-        if self.position_offset:
-            options.append(f'position_offset={self.position_offset:g}')
-        if self.reference_grid is not None:
-            options.append(f'reference_grid={self.reference_grid}')
-        options += [f'axis_order={self.axis_order!r}', f'pairing={self.pairing!r}']
-        return ', '.join(options)
+    def settings(self) -> Dict[str, Any]:
+        settings = {'head_dim': self.head_dim, 'num_heads': self.num_heads, 'frequencies': self.frequencies}
+        if self.frequencies == 'axial':  # learned frequencies take the temperature as their initialisation only
+            settings['temperature'] = self.temperature
+        return {**settings, 'position_offset': self.position_offset, 'reference_grid': self.reference_grid,
+                'axis_order': self.axis_order, 'pairing': self.pairing}

@@ -23,7 +23,7 @@ Parameter): ``swap_attention(model, phi='own')`` converts timm's Swin and BEiT t
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -170,6 +170,6 @@ class RelativePositionBias(PositionalModule):
             bias = grid.pad_prefix(per_offset[:, relative_position_index(grid.height, grid.width, 0, device)])
         return bias.unsqueeze(0).to(dtype or bias.dtype)
 
-    def extra_repr(self) -> str:
-        return (f'num_heads={self.num_heads}, table_size={self.table_size}, '
-                f'prefix_entries={self.prefix_entries}, num_prefix_tokens={self.num_prefix_tokens}')
+    def settings(self) -> Dict[str, Any]:
+        return {'num_heads': self.num_heads, 'table_size': self.table_size, 'prefix_entries': self.prefix_entries,
+                'num_prefix_tokens': self.num_prefix_tokens}

@@ -15,7 +15,7 @@ are the members' under their index (``phi.0.*``, ``phi.1.*``). Each member keeps
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
 
 import torch
 from ..grid import TokenGrid
@@ -88,6 +88,13 @@ class PhiStack(PositionalModule):
         """The parts of the first member that mixes a positional attention in, or None."""
         return next((parts for parts in (member.mixture_parts(grid) for member in self.members)
                      if parts is not None), None)
+
+    @property
+    def phi_name(self) -> str:
+        return 'stack'
+
+    def settings(self) -> Dict[str, Any]:
+        return {'members': tuple(member.phi_name for member in self.members)}  # each member records its own
 
     def position_inputs(self) -> Tuple[torch.Tensor, ...]:
         return ()  # the members cache their own terms; the stack caches nothing

@@ -615,8 +615,8 @@ def load_original_weights(model: nn.Module, state_dict: Mapping[str, Any]) -> Li
     Φp holds are renamed on load, as ``load_state_dict`` renames them). Anything else, weights
     with some Φp keys (another Φp's, some layers', a checkpoint saved after the swap), a missing
     key outside the Φp or an unexpected key, raises a ValueError that lists them; as with torch's
-    strict load the weights that fit are copied before it, and a wrong shape raises torch's
-    RuntimeError.
+    strict load the weights that fit are copied before it, and a wrong shape, or weights that record
+    another Φp (:mod:`posattn.phi.record`), raises torch's RuntimeError.
     """
     fresh_by_layer = _phi_keys_added_by_swap(model)
     fresh = [key for keys in fresh_by_layer.values() for key in keys]

@@ -9,7 +9,7 @@ it as the model did, first in the layer's :class:`~posattn.phi.PhiStack`, beside
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -35,8 +35,8 @@ class GivenBias(PositionalModule):
                              f'({self.name}=); it was called without one: run the whole model')
         return bias.to(q.dtype)
 
-    def extra_repr(self) -> str:
-        return f'name={self.name!r}'
+    def settings(self) -> Dict[str, Any]:
+        return {'name': self.name}
 
 
 def rotate_grid_tokens(t: torch.Tensor, rope: torch.Tensor, num_prefix_tokens: int, half: bool) -> torch.Tensor:
@@ -68,5 +68,5 @@ class GivenRotation(PositionalModule):
                              'was called without one: run the whole model')
         return tuple(rotate_grid_tokens(t, rope, self.num_prefix_tokens, self.rotate_half).to(t.dtype) for t in (q, k))
 
-    def extra_repr(self) -> str:
-        return f'num_prefix_tokens={self.num_prefix_tokens}, rotate_half={self.rotate_half}'
+    def settings(self) -> Dict[str, Any]:
+        return {'num_prefix_tokens': self.num_prefix_tokens, 'rotate_half': self.rotate_half}
