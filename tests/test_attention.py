@@ -161,8 +161,12 @@ class TestErrors:
             Attention(16, 2, phi='peripherals')
 
     def test_unknown_phi_option(self):
-        with pytest.raises(TypeError, match=r"Φp 'peripheral' got unknown option\(s\) \['heads'\]; it takes: num_heads"):
+        with pytest.raises(TypeError, match=r"Φp 'peripheral' got unknown option\(s\) 'heads' \(did you mean "
+                                            r"'num_heads'\?\); it takes: num_heads"):
             Attention(16, 2, phi='peripheral', phi_cfg=dict(heads=3))
+        with pytest.raises(TypeError, match=r"unknown option\(s\) 'colour', 'table_sise' \(did you mean 'table_size'"
+                                            r"\?\); it takes"):
+            Attention(16, 2, phi='rpb', phi_cfg=dict(table_sise=(3, 3), colour='red'))
 
     def test_empty_grid(self):
         layer = Attention(16, 2, phi='peripheral')

@@ -303,7 +303,7 @@ def test_wrapper_errors_say_what_to_set(tmp_path):
     with pytest.raises(ValueError, match=r"pretrained='.*nowhere.pth'.*set model.pretrained=None and the inner "
                                          r"backbone's init_cfg=dict\(type='Pretrained'"):
         MODELS.build(wrapper_cfg(SEG_VIT, pretrained=missing))
-    with pytest.raises(TypeError, match=r"Φp 'irpe' got unknown option\(s\) \['methd'\]"):
+    with pytest.raises(TypeError, match=r"Φp 'irpe' got unknown option\(s\) 'methd' \(did you mean 'method'\?\)"):
         MODELS.build(wrapper_cfg(SEG_VIT, phi='irpe', phi_cfg=dict(methd='euc')))
 
 

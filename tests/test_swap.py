@@ -114,7 +114,7 @@ def test_unsupported_models_name_what_was_found():
     with pytest.raises(ValueError, match=r'drops tokens while training \(patch_drop_rate > 0\)'):
         swap_attention(small_timm_vit(patch_drop_rate=0.5))
     model = small_timm_vit()
-    with pytest.raises(TypeError, match="Φp 'irpe' got unknown option\\(s\\) \\['methd'\\]"):
+    with pytest.raises(TypeError, match="Φp 'irpe' got unknown option\\(s\\) 'methd' \\(did you mean 'method'\\?\\)"):
         swap_attention(model, phi='irpe', methd='euc')
     assert type(model.blocks[0].attn).__module__.startswith('timm') and not model.patch_embed.proj._forward_hooks
     swapped = swap_attention(model, phi='none')

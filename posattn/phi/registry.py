@@ -1,6 +1,7 @@
 """The one registry that maps Φp names to their classes."""
 from __future__ import annotations
 
+import difflib
 import inspect
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar, Union
 
@@ -51,9 +52,11 @@ def build_phi(name: str, **cfg: Any) -> PositionalModule:
     """Build the Φp registered as ``name`` with its options ``cfg``."""
     cls = phi_class(name)
     options = _options(cls)
-    unknown = sorted(set(cfg) - set(options))
+    unknown = sorted(set(cfg) - set(options), key=str)
     if unknown and not any(p.kind is p.VAR_KEYWORD for p in options.values()):
-        raise TypeError(f'Φp {name!r} got unknown option(s) {unknown}; '
+        nearest = [f'{option!r} (did you mean {close[0]!r}?)' if (close := difflib.get_close_matches(
+            str(option), options, n=1)) else repr(option) for option in unknown]
+        raise TypeError(f'Φp {name!r} got unknown option(s) {", ".join(nearest)}; '
                         f'it takes: {", ".join(options) or "no options"}')
     return cls(**cfg)
 
