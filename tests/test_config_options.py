@@ -1,7 +1,8 @@
 """Config overrides checked against what reads them (posattn_openmmlab.config_checks, through
 tools/_common.py's merge_options): a key that nothing would read (a misspelt one) is refused by
-tools/train.py, tools/test.py and tools/analyze.py, naming the nearest key that is read, before
-anything is built or trained; and the overrides users give keep working on the real configs."""
+tools/train.py, tools/test.py, tools/analyze.py and tools/compare_phis.py, naming the nearest key
+that is read, before anything is built or trained; the overrides users give keep working on the
+real configs; and a study row's options reach its runs as Python values, never parsed as text."""
 import argparse
 import inspect
 import re
@@ -13,8 +14,10 @@ from conftest import REPO, load_test_tool, require_openmmlab
 require_openmmlab()  # before the OpenMMLab imports
 
 import analyze as analyze_tool  # noqa: E402  (tools/, on the path from conftest)
+import compare_phis  # noqa: E402
 import train as train_tool  # noqa: E402
 from _common import load_config  # noqa: E402
+from _study import with_options  # noqa: E402
 from mmengine.config import Config  # noqa: E402
 
 CONFIGS = REPO / 'configs'
@@ -177,3 +180,72 @@ def test_the_top_level_keys_the_runner_and_the_tools_read_are_known():
     for source in sources:
         read.update(re.findall(r"\bcfg\.get\('(\w+)'", source) + re.findall(r"\bcfg\['(\w+)'\]", source))
     assert read and read <= RUNNER_KEYS | set(TOOL_KEYS), sorted(read - RUNNER_KEYS)
+
+
+# ---------------------------------------------------------------- a study's rows
+
+
+class TrainingStarted(Exception):
+    pass
+
+
+def test_a_dict_value_is_merged_alike_each_time_it_is_given():
+    """mmengine's merge takes ``_delete_`` out of the dicts it merges: every run of a row (one per seed)
+    gets the row's options as the study gives them."""
+    arch = dict(_delete_=True, embed_dims=[16, 24], depths=[1, 2], num_heads=2, stem_dims=[4, 4, 4, 8])
+    options = {'model': dict(backbone=dict(arch=arch))}
+    cfg = Config.fromfile(CONFIGS / 'pervit_t_shapes.py')
+    first, second = with_options(cfg, options), with_options(cfg, options)
+    assert first.model.backbone.arch == second.model.backbone.arch == {
+        key: value for key, value in arch.items() if key != '_delete_'}
+    assert arch['_delete_'] is True
+
+
+def test_a_rows_misspelt_option_stops_the_study_before_any_row_trains(tmp_path, monkeypatch):
+    (tmp_path / 'study.py').write_text(
+        "rows = [dict(name='peripheral', config='your_data/deit_t_image_folder.py'),\n"
+        "        dict(name='rope', config='your_data/deit_t_image_folder.py', options=dict(phii='rope'))]\n")
+
+    def train(*args):
+        raise TrainingStarted(args)
+    monkeypatch.setattr(compare_phis, 'train', train)
+    with pytest.raises(SystemExit) as stop:
+        compare_phis.main(['--study', str(tmp_path / 'study.py'), '--work-dir', str(tmp_path / 'runs'),
+                           '--no-timing'])
+    config = CONFIGS / 'your_data' / 'deit_t_image_folder.py'
+    assert str(stop.value) == (f'row rope (your_data/deit_t_image_folder.py): {config}: {HEADER}\n  phii: the config '
+                               'has no phii, and neither the runner nor the tools read one; did you mean phi?')
+    assert not (tmp_path / 'runs' / 'peripheral' / 'seed0').exists()
+
+
+@pytest.mark.parametrize('options, key, value', [
+    ({'phi': 'rpb', 'model.backbone.phi_cfg': dict(table_size=(2, 2))}, 'model.backbone.phi_cfg',
+     dict(table_size=(2, 2))),
+    (dict(data_root='my data'), 'val_dataloader.dataset.data_root', 'my data'),
+    ({'optim_wrapper.optimizer.betas': (0.9, 0.95)}, 'optim_wrapper.optimizer.betas', (0.9, 0.95)),
+])
+def test_a_rows_options_reach_its_runs_as_python_values(tmp_path, monkeypatch, options, key, value):
+    """A dict, a string with spaces and a tuple keep their value in the config the run trains, which
+    tools/train.py reads without --cfg-options."""
+    (tmp_path / 'study.py').write_text(f"rows = [dict(name='mine', config='your_data/deit_t_image_folder.py', "
+                                       f"options={options!r})]\n")
+    commands = []
+
+    class Popen:
+        def __init__(self, command, **kwargs):
+            commands.append(command)
+            raise TrainingStarted()
+    monkeypatch.setattr(compare_phis.subprocess, 'Popen', Popen)
+    with pytest.raises(TrainingStarted):
+        compare_phis.main(['--study', str(tmp_path / 'study.py'), '--work-dir', str(tmp_path / 'runs'), '--no-timing',
+                           '--cfg-options', 'num_classes=3'])
+    (command,) = commands
+    run_dir = tmp_path / 'runs' / 'mine' / 'seed0'
+    assert command[1:] == [str(REPO / 'tools' / 'train.py'), str(run_dir / 'config.py'), '--work-dir', str(run_dir)]
+    trained = Config.fromfile(run_dir / 'config.py')
+    trained_value = trained
+    for part in key.split('.'):
+        trained_value = trained_value[part]
+    assert trained_value == value  # a tuple is no list, nor a dict a string
+    assert trained.model.head.num_classes == trained.data_preprocessor.num_classes == 3  # linked keys, as before
+    assert trained.randomness.seed == 0
