@@ -159,10 +159,14 @@ def test_a_fine_tune_starts_from_the_last_checkpoint_of_its_run(tmp_path):
     assert start == tmp_path / 'epoch_10.pth'
     args = tool.parse_args(['--experiment', 'swap', '--epochs', '3'])
     options = tool.overrides(args, seed=1, row=args.study.rows['finetune_peg'], starting_checkpoint=start)
-    assert options == ['randomness.seed=1', 'train_cfg.max_epochs=3', 'param_scheduler.1.end=3',
-                       f'model.backbone.backbone.init_cfg.checkpoint={start}', f'model.head.init_cfg.checkpoint={start}']
+    assert options == {'randomness.seed': 1, 'train_cfg.max_epochs': 3, 'param_scheduler.1.end': 3,
+                       'model.backbone.backbone.init_cfg.checkpoint': str(start),
+                       'model.head.init_cfg.checkpoint': str(start)}
+    assert tool.recorded_options(options)[3:] == [f'model.backbone.backbone.init_cfg.checkpoint={start}',
+                                                  f'model.head.init_cfg.checkpoint={start}']
     row = args.study.rows['deit_t']._replace(checkpoint_keys=('load_from',))  # a row's own keys
-    assert tool.overrides(args, seed=1, row=row, starting_checkpoint=start)[3:] == [f'load_from={start}']
+    assert list(tool.overrides(args, seed=1, row=row, starting_checkpoint=start).items())[3:] == [
+        ('load_from', str(start))]
 
 
 def test_every_row_config_has_what_the_tool_sets():
@@ -212,9 +216,9 @@ def test_a_rows_options_reach_its_runs_after_the_command_lines(tmp_path):
                             'randomness.seed=7'])
     rows = args.study.rows
     assert rows['a'].options == (('phi', 'rope'),) and rows['b'].options == ()
-    assert tool.overrides(args, 1, rows['a']) == ['phi=rope', 'randomness.seed=1', 'train_cfg.max_epochs=3',
-                                                  'param_scheduler.1.end=3']
-    assert tool.overrides(args, 1, rows['b'])[0] == 'phi=peg'
+    assert tool.overrides(args, 1, rows['a']) == {'phi': 'rope', 'randomness.seed': 1, 'train_cfg.max_epochs': 3,
+                                                  'param_scheduler.1.end': 3}
+    assert tool.overrides(args, 1, rows['b'])['phi'] == 'peg'
 
 
 @pytest.mark.parametrize('text, message', [
@@ -448,10 +452,10 @@ def test_the_resolution_experiment_tests_each_row_at_half_to_twice_its_training_
         return tool.test_sizes(with_options(row_config(row, None), options), study.test_size_factors,
                                row.config)
     for row in study.rows.values():
-        assert sizes(row, ['randomness.seed=0']) == [32, 48, 64, 96, 128], row.config
-    assert sizes(study.rows['ape'], ['test_dataloader.dataset.img_size=32']) == [16, 24, 32, 48, 64]
+        assert sizes(row, {'randomness.seed': 0}) == [32, 48, 64, 96, 128], row.config
+    assert sizes(study.rows['ape'], {'test_dataloader.dataset.img_size': 32}) == [16, 24, 32, 48, 64]
     with pytest.raises(ValueError, match='not a whole number of pixels'):
-        sizes(study.rows['ape'], ['test_dataloader.dataset.img_size=50'])  # 0.75 x 50 = 37.5
+        sizes(study.rows['ape'], {'test_dataloader.dataset.img_size': 50})  # 0.75 x 50 = 37.5
 
 
 def test_a_run_is_reused_only_with_the_same_config_and_options(tmp_path):
@@ -474,7 +478,7 @@ def record_finished_run(work_dir, args, name, seed, final, **tests):
     """Writes the run.json of a finished run of row ``name`` as the tool would (its options and config
     digest), with a made-up top-1 per epoch."""
     row = args.study.rows[name]
-    options = tool.overrides(args, seed, row)
+    options = tool.recorded_options(tool.overrides(args, seed, row))
     run = dict(row=name, seed=seed, options=options, config_digest=tool.config_digest(row_config(row, None), options),
                params=1e6, wall_s=60.0, top1_per_epoch=[final - 5, final], logged_step_time_s=0.1, **tests)
     (work_dir / name / f'seed{seed}').mkdir(parents=True)
@@ -556,11 +560,10 @@ def test_a_run_is_read_from_every_log_folder_in_order(tmp_path):
         tool.read_run(tmp_path)
 
 
-def build(row, options=()):
+def build(row, options=None):
     from mmengine.registry import init_default_scope
     from mmpretrain.registry import MODELS
-    cfg = row_config(row, None)
-    cfg.merge_from_dict(dict(option.split('=', 1) for option in options))
+    cfg = with_options(row_config(row, None), options or {})
     init_default_scope(cfg.default_scope)
     model = MODELS.build(cfg.model)
     model.init_weights()

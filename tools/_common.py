@@ -1,8 +1,9 @@
 """What the tools share: the config handling common to tools/train.py, tools/test.py and
-tools/analyze.py (``--cfg-options`` with the config's linked settings), the runner they build
-(``PosattnRunner``, with the classes checked against the data), and the scalars mmengine logs in a
-work dir."""
+tools/analyze.py (``--cfg-options``, checked against what reads them, with the config's linked
+settings), the runner they build (``PosattnRunner``, with the classes checked against the data),
+and the scalars mmengine logs in a work dir."""
 import argparse
+import copy
 import json
 import os
 import os.path as osp
@@ -15,6 +16,7 @@ from mmengine.registry import RUNNERS
 
 import posattn_openmmlab  # noqa: F401  (the registrations)
 from posattn_openmmlab.class_checks import ClassCountCheck
+from posattn_openmmlab.config_checks import option_key_problems
 from posattn_openmmlab.runner import PosattnRunner
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -24,6 +26,9 @@ LOGGED_NON_METRICS = ('data_time', 'time', 'step')
 # ``{{_base_.num_classes}}`` once, when it parses a config, so a setting given with --cfg-options
 # alone would leave the keys that use it as they were.
 LINKED_KEYS = 'linked_keys'
+# Top-level keys that the tools read besides the runner's: the linked keys above, and the data's name
+# in tools/compare_phis.py's figures.
+TOOL_KEYS = (LINKED_KEYS, 'dataset_name')
 
 
 def add_runner_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,12 +90,19 @@ def config_value(cfg: Config, key: str) -> Any:
 
 
 def merge_options(cfg: Config, options: Optional[Mapping[str, Any]]) -> None:
-    """Applies ``--cfg-options`` to ``cfg``, then sets the keys that use a top-level setting given
+    """Applies ``--cfg-options`` (dotted keys with Python values, as mmengine's DictAction parses them
+    or a study row gives them) to ``cfg``, then sets the keys that use a top-level setting given
     there, as the config's ``linked_keys`` lists them: ``num_classes=5`` sets
-    ``model.head.num_classes`` and ``data_preprocessor.num_classes`` too. Then checks that every
-    linked key holds its setting's value (:func:`linked_key_problems`); a ValueError names those
-    that do not, and the setting to give instead."""
-    options = dict(options or {})
+    ``model.head.num_classes`` and ``data_preprocessor.num_classes`` too. A ValueError, before
+    anything is changed, names each key that nothing would read (a misspelt one: ``phii=rope``),
+    with the nearest key that something does (:func:`posattn_openmmlab.config_checks.option_key_problems`).
+    Then checks that every linked key holds its setting's value (:func:`linked_key_problems`); a
+    ValueError names those that do not, and the setting to give instead."""
+    options = copy.deepcopy(dict(options or {}))  # merging takes _delete_ out of the dicts it merges
+    unread = option_key_problems(cfg, options, TOOL_KEYS)
+    if unread:
+        raise ValueError(f'{cfg.filename}: nothing reads these keys of the overrides, so a run would ignore them '
+                         f'(a misspelt key?):\n  ' + '\n  '.join(unread))
     cfg.merge_from_dict(options)
     linked = cfg.get(LINKED_KEYS) or {}
     for setting in [key for key in options if key in linked]:

@@ -2,14 +2,13 @@
 checked, the config and data files its rows name, the data of ``--data`` put in place of a row's, and
 the config a row's runs train and the model it builds. tools/compare_phis.py's docstring gives the
 format of a study file and of a data config."""
-import argparse
 import copy
 import re
 from pathlib import Path
-from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from _common import REPO_ROOT, config_value, merge_options
-from mmengine.config import Config, DictAction
+from mmengine.config import Config
 from mmengine.registry import init_default_scope
 
 CONFIGS = REPO_ROOT / 'configs'
@@ -224,13 +223,12 @@ def row_config(row: Row, data: Optional[Config]) -> Config:
     return cfg if data is None else with_data(cfg, data, row.config)
 
 
-def with_options(cfg: Config, options: list) -> Config:
-    """A copy of ``cfg`` with a run's ``--cfg-options`` applied as tools/train.py applies them (numbers,
-    lists, tuples; a top-level setting of the config's ``linked_keys`` sets the keys that use it)."""
+def with_options(cfg: Config, options: Mapping[str, Any]) -> Config:
+    """A copy of ``cfg`` with a run's overrides ({dotted key: Python value}) merged as tools/train.py
+    merges its ``--cfg-options`` (a top-level setting of the config's ``linked_keys`` sets the keys that
+    use it; a key that nothing reads is a ValueError), the values as they are, never parsed as text."""
     cfg = copy.deepcopy(cfg)
-    parsed = argparse.Namespace()
-    DictAction(option_strings=[], dest='cfg_options')(None, parsed, options)  # as argparse calls it
-    merge_options(cfg, getattr(parsed, 'cfg_options', {}))
+    merge_options(cfg, options)
     return cfg
 
 

@@ -46,12 +46,13 @@ with ``_base_``)::
 
 A row's ``name`` names its folder in the work dir and what ``--rows`` picks; ``config`` is a path
 relative to the study file, else to ``configs/``; ``label`` (default: the name) is what the tables and
-figures call it; ``options`` are the ``--cfg-options`` of that row alone (on top of the command
-line's). A row with ``start_from`` starts from the last checkpoint of that row's run with the
-same seed, written into the config keys ``checkpoint_keys`` (default: the two ``init_cfg`` checkpoints
-of the swap configs, ``model.backbone.backbone`` and ``model.head``); the row it starts from is trained
-first. ``data`` is relative to the study file, else to ``configs/``. Names that start with ``_`` are
-free for helper variables; any other unknown setting is an error.
+figures call it; ``options`` are the ``--cfg-options`` of that row alone, as Python values (a dict, a
+tuple or a string with spaces is kept as it is), on top of the command line's. A row with ``start_from``
+starts from the last checkpoint of that row's run with the same seed, written into the config keys
+``checkpoint_keys`` (default: the two ``init_cfg`` checkpoints of the swap configs,
+``model.backbone.backbone`` and ``model.head``); the row it starts from is trained first. ``data`` is
+relative to the study file, else to ``configs/``. Names that start with ``_`` are free for helper
+variables; any other unknown setting is an error.
 
 ``--data FILE`` (or a study's ``data``) gives every row the data of a config that defines
 ``train_dataloader``, ``val_dataloader``, ``test_dataloader``, ``val_evaluator``, ``test_evaluator`` and
@@ -62,9 +63,13 @@ one, else the training dataset's type and its root folder's name; their chance l
 100 / the head's ``num_classes``.
 
 Every row trains through ``tools/train.py`` (one process per run, its log under the work dir) from the
-row's config with the data applied, written to ``<work dir>/<row>/config.py``. ``--epochs`` sets every
-run's length alike (the configs' second scheduler ends with it); each seed sets mmengine's
-``randomness.seed`` (initialisation and shuffling; the data is the same).
+row's config with the data applied, written to ``<work dir>/<row>/config.py``, and each run's overrides
+(``--cfg-options``, the row's ``options``, the seed, the budget) merged in as Python values, written to
+``<work dir>/<row>/seed<N>/config.py``, which ``tools/train.py``, ``tools/test.py`` and
+``tools/analyze.py`` read. Before the first run trains, every row's overrides are checked: a key that
+nothing would read (a misspelt one, ``phii='rope'``) is an error naming it and the nearest key that is
+read. ``--epochs`` sets every run's length alike (the configs' second scheduler ends with it); each seed
+sets mmengine's ``randomness.seed`` (initialisation and shuffling; the data is the same).
 
 After the runs, the tool times one training step of each row (forward, backward and optimizer step
 of the model its config builds, with its optimizer, on random images in a batch of its
@@ -101,7 +106,7 @@ import sys
 import time
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
-from typing import Dict, NamedTuple, Optional, Sequence
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
 from _common import REPO_ROOT, logged_scalars
 from _step_timing import WARMUP_STEPS, batch_and_size, step_timing_note, time_training_steps
@@ -115,7 +120,7 @@ CONFIDENCE = 0.95  # of the intervals of the rankings' differences
 TARGET_TOP1 = 95.0  # "epochs to reach": how fast each row learns, where most end near 100%
 SKIPPED_LOGGED_WINDOWS = 1  # the first logged window of each run holds warm-up (allocation, first batches)
 RUN_RECORD = 'run.json'  # per finished run: what read_run found and the wall time; lets a rerun reuse it
-RUN_CONFIG = 'config.py'  # per row: the config its runs train, the data applied
+RUN_CONFIG = 'config.py'  # per row: its config, the data applied; per run: that with the run's overrides
 
 
 def parse_args(argv=None):
@@ -187,27 +192,45 @@ def last_checkpoint(run_dir: Path) -> Path:
     return path if path.is_absolute() else REPO_ROOT / path
 
 
-def overrides(args, seed: int, row: Row, starting_checkpoint: Optional[Path] = None) -> list:
-    """``--cfg-options`` for one run: the user's, then the row's own ``options``, the seed, the budget
-    and the checkpoint it starts from (if any, in the row's ``checkpoint_keys``)."""
+def overrides(args, seed: int, row: Row, starting_checkpoint: Optional[Path] = None) -> Dict[str, Any]:
+    """The config overrides of one run, {dotted key: Python value}: the user's ``--cfg-options``, then
+    the row's own ``options``, the seed, the budget and the checkpoint it starts from (if any, in the
+    row's ``checkpoint_keys``)."""
     options = dict(args.cfg_options, **dict(row.options), **{'randomness.seed': seed})
     if args.epochs is not None:
         options.update({'train_cfg.max_epochs': args.epochs, 'param_scheduler.1.end': args.epochs})
     if starting_checkpoint is not None:
         options.update(dict.fromkeys(row.checkpoint_keys, str(starting_checkpoint)))
+    return options
+
+
+def recorded_options(options: Mapping[str, Any]) -> List[str]:
+    """A run's overrides as its record names them, ``key=value`` each: what a rerun compares to reuse
+    the run, and what its config digest reads. The runs themselves get the values
+    (:func:`write_run_config`)."""
     return [f'{key}={value}' for key, value in options.items()]
+
+
+def write_run_config(cfg: Config, options: Mapping[str, Any], run_dir: Path) -> Path:
+    """Writes the config a run trains, ``cfg`` with its overrides merged as Python values (a dict, a
+    tuple, a string with spaces keep their value, which ``--cfg-options`` text would not), to
+    ``run_dir/config.py``, where mmengine's runner saves the config it trains; returns the file. The
+    tools run on this file without ``--cfg-options``."""
+    path = run_dir / RUN_CONFIG
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with_options(cfg, options).dump(path)
+    return path
 
 
 def count_parameters(cfg: Config) -> int:
     return sum(p.numel() for p in build_model(cfg).parameters())
 
 
-def train(row: Row, config: Path, options: list, work_dir: Path) -> float:
-    """Runs tools/train.py on ``config`` (the row's, data applied), echoing each validation line; returns
-    the wall time in seconds."""
+def train(row: Row, config: Path, work_dir: Path) -> float:
+    """Runs tools/train.py on ``config`` (the run's: :func:`write_run_config`), echoing each validation
+    line; returns the wall time in seconds."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, str(REPO_ROOT / 'tools' / 'train.py'), str(config),
-               '--work-dir', str(work_dir), '--cfg-options', *options]
+    command = [sys.executable, str(REPO_ROOT / 'tools' / 'train.py'), str(config), '--work-dir', str(work_dir)]
     start = time.perf_counter()
     with open(work_dir / 'train.log', 'w') as log:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
@@ -221,14 +244,13 @@ def train(row: Row, config: Path, options: list, work_dir: Path) -> float:
     return time.perf_counter() - start
 
 
-def measure_nonlocality(row: Row, config: Path, options: list, run_dir: Path) -> dict:
-    """Runs tools/analyze.py on the run's last checkpoint (``ANALYSED_IMAGES`` validation images,
-    its figures under ``run_dir/analysis``); returns Ω of Φp and of Φa per layer, means over heads
-    (Φp's None where a layer has no positional bias)."""
+def measure_nonlocality(row: Row, config: Path, run_dir: Path) -> dict:
+    """Runs tools/analyze.py with the run's ``config`` on its last checkpoint (``ANALYSED_IMAGES``
+    validation images, its figures under ``run_dir/analysis``); returns Ω of Φp and of Φa per layer,
+    means over heads (Φp's None where a layer has no positional bias)."""
     out = run_dir / 'analysis'
     command = [sys.executable, str(REPO_ROOT / 'tools' / 'analyze.py'), str(config),
-               str(last_checkpoint(run_dir)), '--out', str(out), '--num-images', str(ANALYSED_IMAGES),
-               '--cfg-options', *options]
+               str(last_checkpoint(run_dir)), '--out', str(out), '--num-images', str(ANALYSED_IMAGES)]
     with open(run_dir / 'analyze.log', 'w') as log:
         if subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT).returncode != 0:
             raise RuntimeError(f'analysing {row.config} failed; see {run_dir / "analyze.log"}')
@@ -285,19 +307,18 @@ def test_sizes(cfg: Config, factors: Sequence[float], where: str) -> list:
     return [int(size) for size in sizes]
 
 
-def evaluate_at_sizes(config: Path, options: list, run_dir: Path, sizes: list, log,
-                      test: SizeTest = SIZE_TESTS[0]) -> dict:
+def evaluate_at_sizes(config: Path, run_dir: Path, sizes: list, log, test: SizeTest = SIZE_TESTS[0]) -> dict:
     """Top-1 of the run's last checkpoint at each of ``sizes`` (``test_sizes``), without fine-tuning:
-    tools/test.py with ``test.option`` (``--img-size``, ``--extent``) in this process, its output to
-    ``log``. Returns {side in pixels (str): top-1}; a size measured before (its JSON under
-    ``run_dir/<test.folder>``) is read, not measured again."""
+    tools/test.py on the run's ``config`` with ``test.option`` (``--img-size``, ``--extent``) in this
+    process, its output to ``log``. Returns {side in pixels (str): top-1}; a size measured before (its
+    JSON under ``run_dir/<test.folder>``) is read, not measured again."""
     tool, out_dir = _test_tool(), run_dir / test.folder
     top1 = {}
     for size in sizes:
         out = out_dir / f'top1_at_{size}.json'
         if not out.is_file():
             argv = [str(config), str(last_checkpoint(run_dir)), test.option, str(size),
-                    '--work-dir', str(out_dir), '--out', str(out), '--cfg-options', *options]
+                    '--work-dir', str(out_dir), '--out', str(out)]
             with redirect_stdout(log), redirect_stderr(log):
                 tool.main(argv)
         top1[str(size)] = json.loads(out.read_text())['accuracy/top1']
@@ -336,8 +357,9 @@ def set_aside(run_dir: Path) -> Optional[Path]:
 
 
 def config_digest(cfg: Config, options: list) -> str:
-    """A fingerprint of the config a run trains, ``--cfg-options`` applied: a run recorded with
-    another one (the config file, a base it inherits or the data was edited since) is trained again."""
+    """A fingerprint of the config a run trains, its overrides (:func:`recorded_options`) applied: a
+    run recorded with another one (the config file, a base it inherits or the data was edited since)
+    is trained again."""
     cfg = copy.deepcopy(cfg)
     cfg.merge_from_dict(dict(option.split('=', 1) for option in options))  # as written: a fingerprint only
     return hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -356,8 +378,8 @@ def pending_tests(run: dict, study, cfg: Config, row: Row) -> list:
 
 
 def finished_run(work_dir: Path, options: list, digest: str):
-    """The record of a run that finished in ``work_dir`` with these ``--cfg-options`` and this
-    config (its ``config_digest``), else None."""
+    """The record of a run that finished in ``work_dir`` with these overrides (:func:`recorded_options`)
+    and this config (its ``config_digest``), else None."""
     path = work_dir / RUN_RECORD
     if not path.is_file():
         return None
@@ -615,23 +637,28 @@ def main(argv=None):
     work_dir.mkdir(parents=True, exist_ok=True)
     rows, data = study.rows, load_data(study.data) if study.data else None
     planned = planned_rows(study, args.rows)
-    configs, config_files, run_configs = {}, {}, {}  # per row: its config, that config's file, one run's config
+    configs, run_configs = {}, {}  # per row: its config, and its first run's (its overrides applied)
     for name in planned:
-        configs[name], config_files[name] = row_config(rows[name], data), work_dir / name / RUN_CONFIG
-        config_files[name].parent.mkdir(parents=True, exist_ok=True)
-        configs[name].dump(config_files[name])
+        configs[name] = row_config(rows[name], data)
+        (work_dir / name).mkdir(parents=True, exist_ok=True)
+        configs[name].dump(work_dir / name / RUN_CONFIG)
+        try:  # every row's overrides, checked before the first run trains (the seed's value aside, alike per seed)
+            with_options(configs[name], overrides(args, args.seeds[0], rows[name]))
+        except ValueError as error:
+            raise SystemExit(f'row {name} ({rows[name].config}): {error}') from None
     plan = [(name, seed) for name in planned for seed in args.seeds]
     runs, run_dirs = [], {}
     for index, (name, seed) in enumerate(plan, 1):
-        row, run_dir, config = rows[name], work_dir / name / f'seed{seed}', config_files[name]
+        row, run_dir = rows[name], work_dir / name / f'seed{seed}'
+        run_config = run_dir / RUN_CONFIG  # the config the run trains, which mmengine's runner saves there too
         run_dirs[name, seed] = run_dir
         print(f'[{index}/{len(plan)}] {row.label} ({row.config}), seed {seed}: log {run_dir / "train.log"}', flush=True)
         start = last_checkpoint(run_dirs[row.start_from, seed]) if row.start_from else None
         options = overrides(args, seed, row, start)
         if name not in run_configs:  # the first seed's: what the tests at other sizes and the step timing read
             run_configs[name] = with_options(configs[name], options)
-        digest = config_digest(configs[name], options)
-        run = finished_run(run_dir, options, digest)
+        digest = config_digest(configs[name], recorded_options(options))
+        run = finished_run(run_dir, recorded_options(options), digest)
         if run is not None:
             run['row'] = name  # a run of the same config and options recorded under another study's row name
         if args.report:
@@ -647,16 +674,18 @@ def main(argv=None):
             print(f'    finished before with the same config and settings: reusing {run_dir / RUN_RECORD}')
         else:
             set_aside(run_dir)
-            wall = train(row, config, options, run_dir)
-            run = dict(row=name, seed=seed, options=options, config_digest=digest,
+            wall = train(row, write_run_config(configs[name], options, run_dir), run_dir)
+            run = dict(row=name, seed=seed, options=recorded_options(options), config_digest=digest,
                        params=count_parameters(with_options(configs[name], options)), wall_s=wall, **read_run(run_dir))
             (run_dir / RUN_RECORD).write_text(json.dumps(run, indent=1))
+        if not run_config.is_file():  # a reused run whose folder lost it
+            write_run_config(configs[name], options, run_dir)
         if study.analyse and 'nonlocality' not in run:
-            run['nonlocality'] = measure_nonlocality(row, config, options, run_dir)
+            run['nonlocality'] = measure_nonlocality(row, run_config, run_dir)
             (run_dir / RUN_RECORD).write_text(json.dumps(run, indent=1))
         for test, sizes in pending_tests(run, study, run_configs[name], row):
             with open(work_dir / f'{test.folder}.log', 'a') as log:
-                run[test.record_key] = evaluate_at_sizes(config, options, run_dir, sizes, log, test)
+                run[test.record_key] = evaluate_at_sizes(run_config, run_dir, sizes, log, test)
             (run_dir / RUN_RECORD).write_text(json.dumps(run, indent=1))
             print(f'    top-1 ({test.option}) at ' + ', '.join(f'{size} px {top1:.1f}%'
                                                            for size, top1 in run[test.record_key].items()),
