@@ -58,6 +58,7 @@ from torch import nn
 from posattn._memory import check_fits
 from posattn.attention import LogitsProbe
 from posattn_openmmlab.class_checks import ClassCountMismatch
+from posattn_openmmlab.data_checks import EmptyImageFiles
 from posattn_openmmlab.relations_dataset import MIN_CANVAS
 
 # Config keys that size a dataset's images, in the dataset and in its pipeline's transforms
@@ -383,7 +384,7 @@ def main(argv=None):
     runner.register_hook(tested, priority='LOWEST')
     try:
         metrics = runner.test()
-    except ClassCountMismatch as error:
+    except (ClassCountMismatch, EmptyImageFiles) as error:
         raise SystemExit(f'tools/test.py {args.config}: {error}') from None
     size = tested.size()
     if is_main_process():

@@ -22,7 +22,8 @@ and timm's models stay as they were. It
   (transformers 5 with mmpretrain 1.2), imports mmpretrain's models without those, with a warning
   (:mod:`.mmpretrain_multimodal`), so that every other mmpretrain, mmdet and mmseg model builds;
 * registers ``PosattnRunner`` in mmengine's root ``RUNNERS`` and ``SafeCheckpointHook``,
-  ``RandomStateHook`` and ``PositionCacheHook`` in its root ``HOOKS``.
+  ``RandomStateHook``, ``PositionCacheHook`` and ``EmptyImageCheckHook`` (:mod:`.data_checks`) in
+  its root ``HOOKS``.
 
 What posattn changes in the libraries' behaviour, it changes inside its own runner, hooks,
 backbones and tools. ``PosattnRunner`` (:mod:`.runner`) loads checkpoints strictly and

@@ -17,6 +17,8 @@ from typing import Dict, List, Optional, Sequence
 from mmengine.hooks import Hook
 from mmengine.model import is_model_wrapper
 
+from .data_checks import describe_dataset
+
 __all__ = ['ClassCountCheck', 'ClassCountMismatch', 'model_class_counts', 'dataset_classes', 'class_count_problems']
 
 
@@ -47,11 +49,6 @@ def dataset_classes(dataset) -> Optional[Sequence[str]]:
     return None if classes is None else tuple(classes)
 
 
-def _describe(dataset) -> str:
-    where = getattr(dataset, 'img_prefix', None) or getattr(dataset, 'data_root', None)
-    return type(dataset).__name__ + (f' at {where}' if where else '')
-
-
 def _listed(classes: Sequence[str], limit: int = 8) -> str:
     shown = ', '.join(map(str, classes[:limit]))
     return shown + (f', ... ({len(classes)} in all)' if len(classes) > limit else '')
@@ -76,7 +73,7 @@ def class_count_problems(counts: Dict[str, int], datasets: Dict[str, object], fi
                  if count < len(classes) or (exact and count != len(classes))}
         if wrong:
             stated = ' and '.join(f'{key}={count}' for key, count in wrong.items())
-            problems.append(f'{name}\'s dataset ({_describe(dataset)}) has {len(classes)} classes '
+            problems.append(f'{name}\'s dataset ({describe_dataset(dataset)}) has {len(classes)} classes '
                             f'({_listed(classes)}), but the model has {stated}: set the number of classes to '
                             f'{len(classes)}, e.g. {fix_option.format(n=len(classes))}')
     if len(named) > 1:
@@ -88,8 +85,8 @@ def class_count_problems(counts: Dict[str, int], datasets: Dict[str, object], fi
                 differences = '; '.join(part for part in (
                     f'only in {first}\'s: {_listed(only_first)}' if only_first else '',
                     f'only in {name}\'s: {_listed(only_here)}' if only_here else '') if part) or 'in another order'
-                problems.append(f'{name}\'s dataset ({_describe(dataset)}) has other classes than {first}\'s '
-                                f'({_describe(first_dataset)}), so their labels number different classes '
+                problems.append(f'{name}\'s dataset ({describe_dataset(dataset)}) has other classes than {first}\'s '
+                                f'({describe_dataset(first_dataset)}), so their labels number different classes '
                                 f'({differences}): give both the same class folders')
     return problems
 
