@@ -1,9 +1,13 @@
-"""Your own images: what a run checks before it reads them.
+"""Your own images: what a run checks before it reads them, and runs of any length.
 
 Test data whose classes differ from those the checkpoint was trained on (a class folder renamed, one
 missing, the same classes in another order) stop tools/test.py before its first batch, naming them;
 a checkpoint that records no classes tests as before. An image file of 0 bytes stops tools/train.py
-and tools/test.py before their first step, naming it."""
+and tools/test.py before their first step, naming it. A run no longer than the warm-up trains: the
+cosine decay is left out. And (slow) the real tools: a one-epoch training on the configs, its
+checkpoint's classes, and tools/test.py with them."""
+import sys
+
 import pytest
 import torch
 
@@ -11,13 +15,16 @@ from conftest import require_openmmlab
 
 require_openmmlab()  # before the OpenMMLab imports
 
-from mmengine.registry import init_default_scope
+from mmengine.optim import OptimWrapper
+from mmengine.optim.scheduler import CosineAnnealingLR
+from mmengine.registry import PARAM_SCHEDULERS, init_default_scope
 from mmpretrain.datasets import CustomDataset
 from mmpretrain.registry import MODELS
 
 import train as train_tool
 from _common import logged_scalars
-from conftest import load_test_tool
+from conftest import load_test_tool, run_tool
+from posattn_openmmlab.checkpoint import load_checkpoint_file
 from posattn_openmmlab.class_checks import checkpoint_classes, trained_class_problem
 from posattn_openmmlab.data_checks import empty_image_files
 from posattn_openmmlab.datasets import SubsampledDataset
@@ -156,3 +163,74 @@ def test_empty_image_files_stop_the_test_naming_them(image_folder, tmp_path, mon
         f"{listed}    ... (10 in all)\n"
         "  delete them, or copy those images again")
     assert not batches
+
+
+# ---------------------------------------------------------------- runs no longer than the warm-up
+
+
+def learning_rates(cfg, max_epochs, epoch_length=3):
+    """The lr of every training iteration under ``cfg.param_scheduler``, built as mmengine's runner
+    builds it (a scheduler without ``end`` ends with the run) and stepped as its ParamSchedulerHook
+    steps it: iteration-based schedulers after every iteration, epoch-based ones after every epoch."""
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    wrapper = OptimWrapper(torch.optim.SGD([parameter], lr=cfg.optim_wrapper.optimizer.lr))
+    init_default_scope('mmpretrain')
+    schedulers = [PARAM_SCHEDULERS.build(dict(scheduler, end=scheduler.get('end', max_epochs)),
+                                         default_args=dict(optimizer=wrapper, epoch_length=epoch_length))
+                  for scheduler in cfg.param_scheduler]
+    rates = []
+    for _ in range(max_epochs):
+        for _ in range(epoch_length):
+            rates.append(wrapper.param_groups[0]['lr'])
+            wrapper.step()
+            for scheduler in schedulers:
+                if not scheduler.by_epoch:
+                    scheduler.step()
+        for scheduler in schedulers:
+            if scheduler.by_epoch:
+                scheduler.step()
+    return rates
+
+
+@pytest.mark.parametrize('name', ['pervit_t_image_folder.py', 'deit_t_image_folder.py'])
+def test_a_run_no_longer_than_the_warm_up_is_all_warm_up(name):
+    peak = config(name).optim_wrapper.optimizer.lr
+    one_epoch_warmup = learning_rates(config(name, warmup_epochs=1), max_epochs=1)
+    assert one_epoch_warmup == pytest.approx([peak * 1e-3, peak * (1e-3 + (1 - 1e-3) / 2), peak])
+    five_epoch_warmup = learning_rates(config(name), max_epochs=1)  # the configs' 5: the run ends within it
+    assert five_epoch_warmup == pytest.approx([peak * (1e-3 + (1 - 1e-3) * step / 14) for step in range(3)])
+
+
+def test_a_longer_run_decays_as_mmengines_cosine_after_the_warm_up():
+    cfg = config('pervit_t_image_folder.py', warmup_epochs=1)
+    decayed = learning_rates(cfg, max_epochs=4)
+    cfg.param_scheduler[1].type = CosineAnnealingLR.__name__
+    assert decayed == learning_rates(cfg, max_epochs=4)
+    assert max(decayed) == decayed[3] and decayed[-1] < decayed[6] < decayed[3]  # peak after the warm-up, then down
+
+
+# ---------------------------------------------------------------- the real tools
+
+
+@pytest.mark.slow
+def test_a_one_epoch_training_records_its_classes_and_the_test_refuses_a_renamed_class(image_folder, tmp_path):
+    """tools/train.py for one epoch with the short run docs/your-data.md gives; its checkpoint's
+    ``meta['dataset_meta']`` holds the training folder's classes; tools/test.py tests it on the
+    validation folder, and refuses the folder with a class renamed."""
+    work_dir = tmp_path / 'work'
+    output = run_tool(sys.executable, 'tools/train.py', 'configs/your_data/deit_t_image_folder.py', '--work-dir',
+                      str(work_dir), '--cfg-options', f'data_root={image_folder}', 'train_cfg.max_epochs=1',
+                      'warmup_epochs=1', 'train_dataloader.batch_size=6', *SETTINGS, timeout=600)
+    assert 'Finished 1 epochs (3 iterations).' in output
+    assert 'CosineAfterWarmupLR: the run ends at epoch 1, by the end of the warm-up (epoch 1)' in output
+    checkpoint = work_dir / 'epoch_1.pth'
+    assert load_checkpoint_file(str(checkpoint), map_location='cpu')['meta']['dataset_meta'] == {'classes': CLASSES}
+    saved_config = str(work_dir / 'deit_t_image_folder.py')  # with the command line's settings
+    metrics = tool.main([saved_config, str(checkpoint), '--work-dir', str(tmp_path / 'test')])
+    assert 0 <= metrics['accuracy/top1'] <= 100
+    rename_class(image_folder / 'val', 'middle', 'centre')
+    with pytest.raises(SystemExit) as stop:
+        tool.main([saved_config, str(checkpoint), '--work-dir', str(tmp_path / 'test')])
+    assert (f"checkpoint {checkpoint} was trained on 3 classes (bottom, middle, top), but test_dataloader's dataset "
+            f"(CustomDataset at {image_folder / 'val'}) has 3 (bottom, centre, top): only in the checkpoint: middle; "
+            f"only in the test data: centre.") in str(stop.value)
