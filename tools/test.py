@@ -36,6 +36,11 @@ The size printed with the metrics and written to ``--out`` (``img_size``) is tha
 model was tested on, however it was set (``--img-size``, the config, ``--cfg-options``): null where
 they were not all of one size.
 
+Test data whose classes differ from those the checkpoint was trained on (which mmengine records in
+it) stop the test before its first batch, with an error naming the classes that differ
+(:class:`~posattn_openmmlab.class_checks.TrainedClassesCheck`): their labels would stand for other
+classes than the model's outputs.
+
 The runner is built without the config's training parts, so it takes no work_dir lock and writes
 only its own log folder (config dump included): it can evaluate a checkpoint of a training that
 is running in the same work_dir.
@@ -57,7 +62,8 @@ from torch import nn
 
 from posattn._memory import check_fits
 from posattn.attention import LogitsProbe
-from posattn_openmmlab.class_checks import ClassCountMismatch
+from posattn_openmmlab.class_checks import ClassCountMismatch, TrainedClassesCheck, TrainedClassesMismatch
+from posattn_openmmlab.data_checks import EmptyImageFiles
 from posattn_openmmlab.relations_dataset import MIN_CANVAS
 
 # Config keys that size a dataset's images, in the dataset and in its pipeline's transforms
@@ -379,11 +385,12 @@ def main(argv=None):
                              f'tests at {_in_words(config_size)}') from None
     if change:
         runner.logger.info(f'{option}: {change}; the model as the config builds it, without fine-tuning')
+    runner.register_hook(TrainedClassesCheck())
     tested = TestedImageSizes()
     runner.register_hook(tested, priority='LOWEST')
     try:
         metrics = runner.test()
-    except ClassCountMismatch as error:
+    except (ClassCountMismatch, TrainedClassesMismatch, EmptyImageFiles) as error:
         raise SystemExit(f'tools/test.py {args.config}: {error}') from None
     size = tested.size()
     if is_main_process():

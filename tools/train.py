@@ -33,6 +33,7 @@ from mmengine.hooks import Hook, LoggerHook
 
 from posattn.analysis import plot_training_curve
 from posattn_openmmlab.class_checks import ClassCountMismatch
+from posattn_openmmlab.data_checks import EmptyImageFiles
 from posattn_openmmlab.runner import ResumePoint, find_resumable_checkpoint
 
 # Config keys that say how a run is launched or started, not what it trains: a training resumed,
@@ -294,7 +295,7 @@ def main(argv=None):
     runner.register_hook(last_metrics, priority='LOWEST')
     try:
         runner.train()
-    except ClassCountMismatch as error:  # before the first step
+    except (ClassCountMismatch, EmptyImageFiles) as error:  # before the first step
         raise SystemExit(f'tools/train.py {args.config}: {error}') from None
     if is_main_process():
         hub = runner.message_hub

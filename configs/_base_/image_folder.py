@@ -44,6 +44,8 @@ val_dataloader = dict(
 val_evaluator = dict(type='Accuracy', topk=(1,))
 test_dataloader = val_dataloader
 test_evaluator = val_evaluator
+# an image file of 0 bytes (an interrupted copy) stops the run before its first step, named
+custom_hooks = [dict(type='EmptyImageCheckHook')]
 
 # {top-level setting: the keys that use its value}: the tools set these keys from the setting given
 # with --cfg-options, and refuse a config in which one differs from its setting.

@@ -23,6 +23,9 @@ optim_wrapper = dict(
 )
 auto_scale_lr = dict(base_batch_size=64)  # tools/train.py --auto-scale-lr: the lr for another batch
 train_cfg = dict(max_epochs=100)  # the cosine decay ends there; warmup_epochs=... sets the warmup
+# the recipe's warm-up and cosine decay; a run no longer than the warm-up (train_cfg.max_epochs=1) is all
+# warm-up, without the decay (posattn_openmmlab.schedules)
+param_scheduler = [_base_.param_scheduler[0], dict(_base_.param_scheduler[1], type='CosineAfterWarmupLR')]
 default_hooks = dict(checkpoint=dict(save_best='accuracy/top1', rule='greater'))
 # the keys that --cfg-options phi=..., warmup_epochs=... and img_size=... set (with the data's,
 # _base_/image_folder.py); the backbone's img_size is the grid of its learned position embedding

@@ -13,6 +13,9 @@ model = dict(backbone=dict(phi=phi), head=dict(num_classes={{_base_.num_classes}
 optim_wrapper = dict(optimizer=dict(lr=5e-4 * 64 / 512))
 auto_scale_lr = dict(base_batch_size=64)  # tools/train.py --auto-scale-lr: the lr for another batch
 train_cfg = dict(max_epochs=100)  # the cosine decay ends there; warmup_epochs=... sets the warmup
+# the recipe's warm-up and cosine decay; a run no longer than the warm-up (train_cfg.max_epochs=1) is all
+# warm-up, without the decay (posattn_openmmlab.schedules)
+param_scheduler = [_base_.param_scheduler[0], dict(_base_.param_scheduler[1], type='CosineAfterWarmupLR')]
 default_hooks = dict(checkpoint=dict(save_best='accuracy/top1', rule='greater'))
 # the keys that --cfg-options phi=... and warmup_epochs=... set (with the data's, _base_/image_folder.py)
 linked_keys = dict(phi=['model.backbone.phi'], warmup_epochs=['param_scheduler.0.end', 'param_scheduler.1.begin'])

@@ -11,6 +11,8 @@ and timm's models stay as they were. It
 * registers ``ParamwiseSummaryOptimWrapperConstructor`` in mmengine's root
   ``OPTIM_WRAPPER_CONSTRUCTORS`` (:mod:`.optim`): mmengine's default constructor, whose log
   states ``paramwise_cfg`` in a few lines instead of one per parameter;
+* registers ``CosineAfterWarmupLR`` in mmengine's root ``PARAM_SCHEDULERS`` (:mod:`.schedules`): the
+  DeiT recipe's cosine decay after its warm-up, left out in a run no longer than the warm-up;
 * registers the datasets ``PositionalShapes`` (the embedded set), ``PositionalRelations`` (the
   harder embedded benchmark), ``CheckedImageNet``, ``INaturalist2019`` and ``SubsampledDataset`` in
   mmpretrain's ``DATASETS`` (:mod:`.datasets`);
@@ -22,7 +24,8 @@ and timm's models stay as they were. It
   (transformers 5 with mmpretrain 1.2), imports mmpretrain's models without those, with a warning
   (:mod:`.mmpretrain_multimodal`), so that every other mmpretrain, mmdet and mmseg model builds;
 * registers ``PosattnRunner`` in mmengine's root ``RUNNERS`` and ``SafeCheckpointHook``,
-  ``RandomStateHook`` and ``PositionCacheHook`` in its root ``HOOKS``.
+  ``RandomStateHook``, ``PositionCacheHook`` and ``EmptyImageCheckHook`` (:mod:`.data_checks`) in
+  its root ``HOOKS``.
 
 What posattn changes in the libraries' behaviour, it changes inside its own runner, hooks,
 backbones and tools. ``PosattnRunner`` (:mod:`.runner`) loads checkpoints strictly and
@@ -66,6 +69,7 @@ from .optim import ParamwiseSummaryOptimWrapperConstructor
 from .position_cache_hook import PositionCacheHook
 from .random_state import RandomStateHook
 from .runner import PosattnRunner
+from .schedules import CosineAfterWarmupLR
 from .torchvision_ops import route_mmcv_ops_to_torchvision
 
 for _module in pkgutil.iter_modules(__path__):
@@ -73,5 +77,6 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f'{__name__}.{_module.name}')
 
 __all__ = ['PosattnPerViT', 'PosattnViT', 'PosattnSimpleFPN', 'ParamwiseSummaryOptimWrapperConstructor',
-           'PositionalShapes', 'PositionalRelations', 'CheckedImageNet', 'PosattnRunner', 'SafeCheckpointHook',
-           'RandomStateHook', 'PositionCacheHook', 'posattn_checkpoint_loading', 'route_mmcv_ops_to_torchvision']
+           'CosineAfterWarmupLR', 'PositionalShapes', 'PositionalRelations', 'CheckedImageNet', 'PosattnRunner',
+           'SafeCheckpointHook', 'RandomStateHook', 'PositionCacheHook', 'posattn_checkpoint_loading',
+           'route_mmcv_ops_to_torchvision']
