@@ -11,7 +11,7 @@ from ._memory import check_fits
 from .functional import attention_probs, biased_attention
 from .grid import GridLike, TokenGrid
 from .layout import ImageLayout
-from .phi import PositionalModule, build_layer_phi
+from .phi import PhiStack, PositionalModule, build_layer_phi
 from .phi.registry import PhiOptions, PhiSpec
 
 __all__ = ['Attention', 'LogitsProbe']
@@ -30,6 +30,24 @@ class LogitsProbe(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor], grid: TokenGrid,
                 key_mask: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None) -> None:
         return None
+
+
+# The layer's sizes a built Φp may state among its settings, which must then be the layer's.
+LAYER_SIZES = ('dim', 'num_heads', 'head_dim')
+
+
+def _check_built_for(phi: PositionalModule, **layer: int) -> None:
+    """A ValueError naming the Φp (or stack member) whose settings state another of the layer's sizes
+    (:data:`LAYER_SIZES`) than ``layer``'s, before it is ever called."""
+    members = phi.members if isinstance(phi, PhiStack) else (phi,)
+    for index, member in enumerate(members):
+        settings = member.settings()
+        wrong = [size for size in LAYER_SIZES if size in settings and settings[size] != layer[size]]
+        if wrong:
+            which = f'member {index} of the Φp stack, {member.phi_name},' if member is not phi else f'Φp {phi.phi_name}'
+            raise ValueError(f'{which} is built for ' + ', '.join(f'{size}={settings[size]}' for size in wrong)
+                             + ', but the layer has ' + ', '.join(f'{size}={layer[size]}' for size in wrong)
+                             + ': build it for the layer, or give the layer its name and let it build it')
 
 
 class Attention(nn.Module):
@@ -79,6 +97,7 @@ class Attention(nn.Module):
         if isinstance(phi, PositionalModule):
             if phi_cfg:
                 raise ValueError('phi_cfg applies to a Φp given by name, not to a built module')
+            _check_built_for(phi, dim=dim, num_heads=num_heads, head_dim=dim // num_heads)
             self.phi = phi
         else:
             self.phi = build_layer_phi(phi, phi_cfg, dim=dim, num_heads=num_heads,

@@ -158,6 +158,9 @@ def test_models_take_a_list_of_images_for_inference_and_training(name, options):
         torch.testing.assert_close(grad, want, **tolerance, msg=name)
     with pytest.raises(TypeError, match='forward_features takes one batch'):
         model.forward_features(images)
+    with pytest.raises(TypeError, match=r'forward_intermediates takes one batch \(B, C, H, W\): features of images '
+                                        r'of different sizes do not stack. Give the list to the model itself'):
+        model.forward_intermediates(images)
     loss = torch.nn.functional.cross_entropy(model.train()(images), torch.tensor([0, 1, 2, 3]))
     loss.backward()
     assert torch.isfinite(loss) and all(param.grad is not None for param in params)

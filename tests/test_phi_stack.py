@@ -164,3 +164,19 @@ def test_a_stack_of_built_modules_refuses_nesting_and_repeats():
         PhiStack([rope, PhiStack([alibi, posattn.build_phi('none')])])
     with pytest.raises(ValueError, match='same module'):
         PhiStack([alibi, alibi])
+
+
+def test_a_built_phi_or_member_for_other_sizes_is_refused_when_the_layer_is_built():
+    """Refused when built, naming the member and both sizes, not at the first forward."""
+    from posattn.phi import build_phi
+    stack = PhiStack([build_phi('rope', head_dim=8, num_heads=4), build_phi('alibi', num_heads=2)])
+    with pytest.raises(ValueError, match=r'member 1 of the Φp stack, alibi, is built for num_heads=2, but the layer '
+                                         r'has num_heads=4: build it for the layer'):
+        posattn.Attention(32, 4, phi=stack)
+    with pytest.raises(ValueError, match=r'Φp peg is built for dim=16, but the layer has dim=32'):
+        posattn.Attention(32, 4, phi=build_phi('peg', dim=16))
+    with pytest.raises(ValueError, match=r'Φp irpe is built for num_heads=2, head_dim=4, but the layer has '
+                                         r'num_heads=4, head_dim=8'):
+        posattn.Attention(32, 4, phi=build_phi('irpe', num_heads=2, head_dim=4))
+    fitting = PhiStack([build_phi('rope', head_dim=8, num_heads=4), build_phi('alibi', num_heads=4)])
+    assert posattn.Attention(32, 4, phi=fitting).phi is fitting

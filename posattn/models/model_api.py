@@ -69,6 +69,14 @@ def _intermediate(tokens: torch.Tensor, grid: TokenGrid, output_fmt: str, return
     return (spatial, prefix) if return_prefix_tokens else spatial
 
 
+def _refuse_image_list(x: Any, method: str) -> None:
+    """A TypeError naming what to do where ``method``, which returns features, is given a list of images."""
+    if isinstance(x, (list, tuple)):
+        raise TypeError(f'{method} takes one batch (B, C, H, W): features of images of different sizes do not '
+                        'stack. Give the list to the model itself (logits), or call it on each size\'s batch '
+                        '(torch.stack of the images of one size)')
+
+
 class ClassifierApi:
     """timm's classifier API on a posattn model with ``head``, ``num_features``, ``num_classes``,
     ``global_pool`` (checked by its ``_checked_pool``), ``forward_features`` and ``forward_head``."""
@@ -154,9 +162,7 @@ class BlockStackApi:
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> the last block's output through the final norm (``_as_features``)."""
-        if isinstance(x, (list, tuple)):
-            raise TypeError('forward_features takes one batch (B, C, H, W): features of images of different '
-                            'sizes do not stack. Give the list to the model itself (logits), or batch by size')
+        _refuse_image_list(x, 'forward_features')
         x, grid = self.embed_tokens(x)
         for _, x in self.iter_blocks(x, grid):
             pass
@@ -181,6 +187,7 @@ class BlockStackApi:
                                return_prefix_tokens: bool):
         """``forward_intermediates``, each output paired with the block's prefix tokens (B, prefix, C)
         with ``return_prefix_tokens``."""
+        _refuse_image_list(x, 'forward_intermediates')
         if output_fmt not in OUTPUT_FMTS:
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
         wanted = take_indices(len(self.blocks), indices)

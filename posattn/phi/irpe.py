@@ -269,5 +269,6 @@ class IRPE(PositionalModule):
                 param.copy_(named[name])
 
     def settings(self) -> Dict[str, Any]:
-        return {'method': self.method, 'mode': self.mode, 'on': self.on, 'shared_head': self.shared_head,
+        return {'num_heads': self.num_heads, 'head_dim': self.head_dim, 'method': self.method, 'mode': self.mode,
+                'on': self.on, 'shared_head': self.shared_head,
                 'ratio': self.ratio, 'num_prefix_tokens': self.num_prefix_tokens}

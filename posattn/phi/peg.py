@@ -32,7 +32,7 @@ class PositionEncodingGenerator(PositionalModule):
 
     def __init__(self, dim: int, residual: bool = True):
         super().__init__(hooks=('tokens',))
-        self.residual = residual
+        self.dim, self.residual = dim, residual
         self.proj = nn.Conv2d(dim, dim, 3, 1, 1, groups=dim)
 
     def tokens(self, x: torch.Tensor, hw: GridLike) -> torch.Tensor:
@@ -47,4 +47,4 @@ class PositionEncodingGenerator(PositionalModule):
         return torch.cat([prefix, rearrange(out, 'b c h w -> b (h w) c')], dim=1)
 
     def settings(self) -> Dict[str, Any]:
-        return {'residual': self.residual}
+        return {'dim': self.dim, 'residual': self.residual}
