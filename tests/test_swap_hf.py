@@ -181,6 +181,41 @@ def test_save_pretrained_and_back(tmp_path, phi, options):
                                    rtol=0, atol=0)
 
 
+def test_a_folder_of_pytorch_model_bin_loads_and_the_load_report_names_no_phi_key(tmp_path, capsys):
+    """A folder of pickled weights (older transformers' save_pretrained) loads weights-only; the Φp
+    keys, which posattn loads, are not reported as unexpected by transformers."""
+    from posattn.swap import from_pretrained
+    model = swap_attention(randomised(MODELS['vit'][0]()), phi='peripheral')
+    model.save_pretrained(tmp_path)
+    (tmp_path / 'model.safetensors').unlink()
+    torch.save(model.state_dict(), tmp_path / 'pytorch_model.bin')
+    transformers.logging.set_verbosity_warning()
+    loaded = from_pretrained(transformers.ViTForImageClassification, tmp_path)
+    report = capsys.readouterr().err
+    assert 'LOAD REPORT' not in report and '.phi.' not in report
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+    (tmp_path / 'pytorch_model.bin').unlink()
+    with pytest.raises(FileNotFoundError, match=r'holds no weights that save_pretrained writes: it has config.json, '
+                                                r'and from_pretrained reads model.safetensors \(or '
+                                                r'model.safetensors.index.json and its shards\), pytorch_model.bin'):
+        from_pretrained(transformers.ViTForImageClassification, tmp_path)
+
+
+def test_a_layer_whose_phi_is_not_the_one_recorded_is_refused(tmp_path):
+    """The config records each swapped layer's Φp; one that the swap builds otherwise (here: the
+    record edited to RoPE's other axis order) is refused, naming the layer and both."""
+    from posattn.swap import from_pretrained
+    swap_attention(MODELS['vit'][0](), phi='rope').save_pretrained(tmp_path)
+    config = json.loads((tmp_path / 'config.json').read_text())
+    assert config['posattn_swap']['phi_records'][1]['']['settings']['axis_order'] == 'yx'
+    config['posattn_swap']['phi_records'][1]['']['settings']['axis_order'] = 'xy'
+    (tmp_path / 'config.json').write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"swapped layer 1: the weights are those of a rope Φp with axis_order='xy', "
+                                         r"this one has axis_order='yx'"):
+        from_pretrained(transformers.ViTForImageClassification, tmp_path)
+
+
 def test_a_folder_of_an_unswapped_model_is_named(tmp_path):
     from posattn.swap import from_pretrained
     MODELS['vit'][0]().save_pretrained(tmp_path)

@@ -444,7 +444,16 @@ def _record_swap(model: nn.Module, phi: PhiSpec, phi_cfg: Mapping[str, Any], own
         except TypeError:  # the config must stay writable: options JSON cannot hold are not recorded
             options = None
         phi = phi if isinstance(phi, str) else list(phi)
-        setattr(config, SWAP_RECORD, dict(phi=phi, phi_cfg=options, own_positions=own_positions))
+        setattr(config, SWAP_RECORD, dict(phi=phi, phi_cfg=options, own_positions=own_positions,
+                                          phi_records=swapped_phi_records(model)))
+
+
+def swapped_phi_records(model: nn.Module) -> List[Dict[str, Any]]:
+    """What the Φp of ``model``'s swapped layers are, in depth order (:mod:`posattn.phi.record`):
+    each layer's Φp, its own record and those of a stack's members."""
+    return [{path: module.state_dict_record() for path, module in layer.phi.named_modules()
+             if isinstance(module, PositionalModule)}
+            for layer in model.modules() if isinstance(layer, SwappedAttention)]
 
 
 class AddedParametersWarning(UserWarning):
