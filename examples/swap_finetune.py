@@ -35,7 +35,7 @@ def quadrant_images(batch: int, generator: torch.Generator):
 def main() -> None:
     torch.manual_seed(0)
     # Pooled over the tokens: a ViT that classifies from its class token alone gives the last
-    # block's Φp no gradient, since the peripheral Φp biases no pair that involves the class token.
+    # block's peripheral Φp no gradient (the swap warns: posattn.UnreachedPhiWarning).
     model = timm.create_model('vit_tiny_patch16_224', pretrained=False, img_size=IMAGE_SIZE, patch_size=8,
                               depth=4, num_classes=4, global_pool='avg')
     print(f'timm ViT: {len(model.blocks)} blocks, {sum(p.numel() for p in model.parameters()):,} parameters')

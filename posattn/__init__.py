@@ -10,9 +10,11 @@ from .layout import ImageLayout
 from .models import create_model, list_models, register_model, register_timm_models
 from .swap import load_original_weights, parameters_added_by_swap, swap_attention
 from .phi import PhiStack, PositionalModule, build_phi, cache_positions, list_phis, register_phi
+from .unreached import UnreachedPhiWarning
 
 __version__ = '0.1.0'
 
 __all__ = ['Attention', 'TokenGrid', 'ImageLayout', 'PositionalModule', 'PhiStack', 'register_phi', 'build_phi', 'list_phis',
            'create_model', 'list_models', 'register_model', 'register_timm_models', 'swap_attention',
-           'parameters_added_by_swap', 'load_original_weights', 'cache_positions', 'functional', '__version__']
+           'parameters_added_by_swap', 'load_original_weights', 'cache_positions', 'UnreachedPhiWarning', 'functional',
+           '__version__']

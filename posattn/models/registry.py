@@ -11,9 +11,11 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..attention import Attention
 from ..convert import read_checkpoint, saved_phi_records, to_posattn_layout
 from ..phi import PositionalModule
 from ..phi.record import PhiMismatch, PhiRecord, mismatches, saved_records
+from ..unreached import warn_if_unreached
 from .pos_embed import resample_abs_pos_embed, square_grid
 
 __all__ = ['register_model', 'create_model', 'create_from_arch', 'list_models', 'load_weights',
@@ -81,6 +83,9 @@ def create_model(name: str, checkpoint: Optional[Union[str, os.PathLike]] = None
             raises a ValueError listing the missing, unexpected and mis-shaped keys and naming the
             registered model the weights fit.
         **kwargs: the builder's options (``num_classes``, ``phi``, ``drop_path_rate``, ...).
+
+    A model that classifies from its class token with a Φp in its last block that no gradient
+    reaches there (:mod:`posattn.unreached`) is built, with one :class:`~posattn.unreached.UnreachedPhiWarning`.
     """
     try:
         builder = _MODELS[name]
@@ -90,6 +95,8 @@ def create_model(name: str, checkpoint: Optional[Union[str, os.PathLike]] = None
     model = builder(**kwargs)
     if contents is not None:
         _load_read_checkpoint(model, contents, os.fspath(checkpoint), target=name)
+    warn_if_unreached(model, [(path, module) for path, module in model.named_modules() if isinstance(module, Attention)],
+                      "global_pool='avg'; or give that block no Φp, phi_blocks=range(depth - 1)")
     return model
 
 

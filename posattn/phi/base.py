@@ -135,6 +135,14 @@ class PositionalModule(ConversionNotified, RecordedInStateDict):
         return self.contributes('mix_probabilities')
 
     @property
+    def reaches_prefix_queries(self) -> bool:
+        """Whether what this Φp contributes can change the output of a prefix-token query (a class
+        token's): where a model reads only those, the Φp of its last layer gets a gradient only if
+        it does. True unless a Φp states otherwise (a bias zero, or constant along, every prefix row;
+        a mixture that leaves prefix rows as they are)."""
+        return True
+
+    @property
     def needs_probabilities(self) -> bool:
         """Whether a declared hook reads the (B, heads, N, N) probabilities (a mixture or a value
         term), which the layer then materialises (no fused kernel)."""

@@ -128,5 +128,9 @@ class DecomposedRelativePositionBias(PositionalModule):
         bias = (row_terms[..., :, None] + col_terms[..., None, :]).flatten(4).flatten(2, 3)  # (B, heads, HW, HW)
         return grid.pad_prefix(bias).to(q.dtype)
 
+    @property
+    def reaches_prefix_queries(self) -> bool:
+        return False  # pairs that involve a prefix token get no bias
+
     def settings(self) -> Dict[str, Any]:
         return {'head_dim': self.head_dim, 'table_size': self.table_size, 'num_prefix_tokens': self.num_prefix_tokens}

@@ -176,6 +176,10 @@ class GatedPositionalAttention(PositionalModule):
         total = mixed.sum(-1, keepdim=True)  # < 1 where masking left a grid query no grid key
         return mixed / total.masked_fill(total == 0, 1.0)
 
+    @property
+    def reaches_prefix_queries(self) -> bool:
+        return False  # a prefix query attends by content alone
+
     def settings(self) -> Dict[str, Any]:
         # locality_strength and local_init only initialise pos_proj
         return {'num_heads': self.num_heads, 'num_prefix_tokens': self.num_prefix_tokens}

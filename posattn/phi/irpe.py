@@ -268,6 +268,11 @@ class IRPE(PositionalModule):
             for name, param in module.named_parameters():
                 param.copy_(named[name])
 
+    @property
+    def reaches_prefix_queries(self) -> bool:
+        # on k, a prefix query's bias is one bucket's along its row, which the softmax cancels
+        return 'q' in self.on or 'v' in self.on
+
     def settings(self) -> Dict[str, Any]:
         return {'num_heads': self.num_heads, 'head_dim': self.head_dim, 'method': self.method, 'mode': self.mode,
                 'on': self.on, 'shared_head': self.shared_head,

@@ -279,6 +279,10 @@ class PeripheralPhi(PositionalModule):
         bias = grid.pad_prefix(self.log_position_attention(grid.height, grid.width, distance_embedding))
         return bias.to(dtype).unsqueeze(0)  # (1, heads, N, N)
 
+    @property
+    def reaches_prefix_queries(self) -> bool:
+        return False  # pairs that involve a prefix token get no bias
+
     def settings(self) -> Dict[str, Any]:
         # init and the layer's place only initialise the weights
         return {'num_heads': self.num_heads, 'shared_embedding': self.distance_embedding is None,

@@ -170,6 +170,10 @@ class RelativePositionBias(PositionalModule):
             bias = grid.pad_prefix(per_offset[:, relative_position_index(grid.height, grid.width, 0, device)])
         return bias.unsqueeze(0).to(dtype or bias.dtype)
 
+    @property
+    def reaches_prefix_queries(self) -> bool:
+        return self.num_extra_entries > 0  # the prefix entries; else prefix pairs get no bias
+
     def settings(self) -> Dict[str, Any]:
         return {'num_heads': self.num_heads, 'table_size': self.table_size, 'prefix_entries': self.prefix_entries,
                 'num_prefix_tokens': self.num_prefix_tokens}

@@ -90,6 +90,10 @@ class PhiStack(PositionalModule):
                      if parts is not None), None)
 
     @property
+    def reaches_prefix_queries(self) -> bool:
+        return any(member.reaches_prefix_queries for member in self.members)
+
+    @property
     def phi_name(self) -> str:
         return 'stack'
 

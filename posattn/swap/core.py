@@ -25,6 +25,7 @@ from ..grid import TokenGrid
 from ..layout import ImageLayout
 from ..phi import PhiStack, PositionalModule, build_layer_phi
 from ..phi.registry import PhiSpec, checked_phi_list
+from ..unreached import warn_if_unreached
 from .token_grids import GridTracker, PatchGrid
 
 __all__ = ['AttentionSite', 'SwapPlan', 'SwappedAttention', 'GridTracker', 'register_family', 'swap_attention',
@@ -427,10 +428,14 @@ def swap_attention(model: nn.Module, phi: PhiSpec = 'peripheral', *, own_positio
     if added:
         warnings.warn(_added_parameters_message(model, ' + '.join(names), added, len(layers)), AddedParametersWarning,
                       stacklevel=2)
+    warn_if_unreached(model, [(path, module) for path, module in model.named_modules()
+                              if isinstance(module, SwappedAttention)], UNREACHED_FIX)
     return model
 
 
 SWAP_RECORD = 'posattn_swap'  # the attribute of a transformers config that records the swap
+UNREACHED_FIX = ("in timm global_pool='avg' when the model is created, or "
+                 "model.reset_classifier(num_classes, global_pool='avg') before the swap")
 
 
 def _record_swap(model: nn.Module, phi: PhiSpec, phi_cfg: Mapping[str, Any], own_positions: bool) -> None:
