@@ -131,7 +131,7 @@ def test_some_phi_keys_are_refused_naming_them():
 def test_another_phis_weights_are_refused_with_the_keys_that_differ():
     _, swapped = swapped_pair('peripheral')
     _, irpe = swapped_pair('irpe')
-    with pytest.raises(RuntimeError, match=r"blocks\.0\.attn\.phi: the weights are those of irpe\(method='product'"):
+    with pytest.raises(RuntimeError, match=r"blocks\.0\.attn\.phi: the weights are those of irpe\(num_heads=2, head_dim=16, method='product'"):
         posattn.load_original_weights(swapped, irpe.state_dict())  # their records say whose they are
     with pytest.raises(ValueError) as refusal:
         posattn.load_original_weights(swapped, dict(irpe.state_dict()))  # without: their keys
