@@ -1,8 +1,9 @@
 """Config overrides checked against what reads them (posattn_openmmlab.config_checks, through
-tools/_common.py's merge_options): a key that nothing would read (a misspelt one) is refused by
-tools/train.py, tools/test.py, tools/analyze.py and tools/compare_phis.py, naming the nearest key
-that is read, before anything is built or trained; the overrides users give keep working on the
-real configs; and a study row's options reach its runs as Python values, never parsed as text."""
+posattn_openmmlab.linked_settings.merge_options, which the tools use): a key that nothing would read
+(a misspelt one) is refused by tools/train.py, tools/test.py, tools/analyze.py and
+tools/compare_phis.py, naming the nearest key that is read, before anything is built or trained; the
+overrides users give keep working on the real configs; and a study row's options reach its runs as
+Python values, never parsed as text."""
 import argparse
 import inspect
 import re
@@ -170,7 +171,7 @@ def test_every_key_of_every_config_is_read(config):
 def test_the_top_level_keys_the_runner_and_the_tools_read_are_known():
     """Every top-level key that mmengine's Runner, PosattnRunner and the tools read from their config
     (``cfg.get('x')``, ``cfg['x']``) is a top-level key the check accepts."""
-    from _common import TOOL_KEYS
+    from posattn_openmmlab.linked_settings import TOOL_KEYS
     from mmengine.runner import runner as mmengine_runner
     from posattn_openmmlab.config_checks import RUNNER_KEYS
     from posattn_openmmlab import runner as posattn_runner

@@ -1,0 +1,90 @@
+"""A config's linked settings, and config overrides applied through them.
+
+A config's ``linked_keys`` ({top-level setting: [the keys that use its value]}) names, for each
+setting a user sets, the keys that take its value: mmengine substitutes ``{{_base_.num_classes}}``
+once, when it parses a config, so a setting given as an override alone would leave the keys that
+use it as they were. :func:`merge_options` applies overrides (``--cfg-options``, a study row's) the
+tools' way: checked against what reads them, the linked keys set from their settings, and a config
+whose linked keys disagree with their settings refused, naming the setting to give instead.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, List, Mapping, Optional
+
+from mmengine.config import Config
+
+from .config_checks import option_key_problems
+
+__all__ = ['LINKED_KEYS', 'TOOL_KEYS', 'config_value', 'has_key', 'merge_options', 'linked_key_problems']
+
+LINKED_KEYS = 'linked_keys'
+# Top-level keys that the tools read besides the runner's: the linked keys above, and the data's name
+# in a study's figures.
+TOOL_KEYS = (LINKED_KEYS, 'dataset_name')
+
+
+def config_value(cfg: Config, key: str) -> Any:
+    """The value at a dotted ``--cfg-options`` key, list indices included
+    (``'train_dataloader.dataset.pipeline.1.scale'``); a KeyError names the part that is missing."""
+    value = cfg
+    for part in key.split('.'):
+        if isinstance(value, (list, tuple)) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        elif isinstance(value, (Mapping, Config)) and part in value:
+            value = value[part]
+        else:
+            raise KeyError(f'{key}: the config has no {part!r} there')
+    return value
+
+
+def has_key(cfg: Config, key: str) -> bool:
+    """Whether ``cfg`` has the dotted ``key`` (list items by their index, as --cfg-options writes them)."""
+    try:
+        config_value(cfg, key)
+    except KeyError:
+        return False
+    return True
+
+
+def merge_options(cfg: Config, options: Optional[Mapping[str, Any]]) -> None:
+    """Applies ``--cfg-options`` (dotted keys with Python values, as mmengine's DictAction parses them
+    or a study row gives them) to ``cfg``, then sets the keys that use a top-level setting given
+    there, as the config's ``linked_keys`` lists them: ``num_classes=5`` sets
+    ``model.head.num_classes`` and ``data_preprocessor.num_classes`` too. A ValueError, before
+    anything is changed, names each key that nothing would read (a misspelt one: ``phii=rope``),
+    with the nearest key that something does (:func:`posattn_openmmlab.config_checks.option_key_problems`).
+    Then checks that every linked key holds its setting's value (:func:`linked_key_problems`); a
+    ValueError names those that do not, and the setting to give instead."""
+    options = copy.deepcopy(dict(options or {}))  # merging takes _delete_ out of the dicts it merges
+    unread = option_key_problems(cfg, options, TOOL_KEYS)
+    if unread:
+        raise ValueError(f'{cfg.filename}: nothing reads these keys of the overrides, so a run would ignore them '
+                         f'(a misspelt key?):\n  ' + '\n  '.join(unread))
+    cfg.merge_from_dict(options)
+    linked = cfg.get(LINKED_KEYS) or {}
+    for setting in [key for key in options if key in linked]:
+        cfg.merge_from_dict({key: cfg[setting] for key in linked[setting]})
+    problems = linked_key_problems(cfg)
+    if problems:
+        raise ValueError(f'{cfg.filename}: keys that take their value from a top-level setting ({LINKED_KEYS}) '
+                         f'disagree with it:\n  ' + '\n  '.join(problems))
+
+
+def linked_key_problems(cfg: Config) -> List[str]:
+    """Each key of the config's ``linked_keys`` that is missing or differs from its setting, with the fix."""
+    problems = []
+    for setting, keys in (cfg.get(LINKED_KEYS) or {}).items():
+        if setting not in cfg:
+            problems.append(f'{setting} is not set, and {LINKED_KEYS} lists the keys that use it: set it')
+            continue
+        for key in keys:
+            try:
+                value = config_value(cfg, key)
+            except KeyError as error:
+                problems.append(f'{error.args[0]}; {LINKED_KEYS}[{setting!r}] lists it: remove it there')
+                continue
+            if value != cfg[setting]:
+                problems.append(f'{key} is {value!r}, but {setting} is {cfg[setting]!r}: change {setting}, which '
+                                f'sets {key} too (--cfg-options {setting}={value!r})')
+    return problems
