@@ -26,6 +26,8 @@ from mmpretrain.registry import MODELS, TRANSFORMS
 import posattn._memory
 from conftest import REPO, load_test_tool, run_tool
 from posattn.attention import LogitsProbe
+import posattn_openmmlab.evaluation as evaluation
+import posattn_openmmlab.sizes as sizes
 from posattn_openmmlab.datasets import PositionalShapes
 from posattn_openmmlab.shapes_dataset import SCENE_SIZE, pixel_centres, render_shapes
 
@@ -133,12 +135,12 @@ def test_an_imagenet_test_pipeline_is_rewritten_to_deits_evaluation_at_that_size
     bicubic; the other transforms, and the validation pipeline, as they were."""
     cfg = config(name)
     original = cfg.test_dataloader.dataset.pipeline
-    assert tool.config_test_size(cfg) == (224, 224)
-    change = tool.set_test_size(cfg, (384, 384))
+    assert sizes.config_test_size(cfg) == (224, 224)
+    change = sizes.set_test_size(cfg, (384, 384))
     pipeline = cfg.test_dataloader.dataset.pipeline
-    resize, crop = tool.resize_crop_indices(pipeline)
+    resize, crop = sizes.resize_crop_indices(pipeline)
     assert pipeline[resize].scale == 438 == int(384 / 0.875) and pipeline[resize].interpolation == 'bicubic'
-    assert pipeline[crop].crop_size == 384 and tool.config_test_size(cfg) == (384, 384)
+    assert pipeline[crop].crop_size == 384 and sizes.config_test_size(cfg) == (384, 384)
     assert [t for i, t in enumerate(pipeline) if i not in (resize, crop)] == \
         [t for i, t in enumerate(original) if i not in (resize, crop)]
     assert cfg.val_dataloader.dataset.pipeline == original
@@ -148,10 +150,10 @@ def test_an_imagenet_test_pipeline_is_rewritten_to_deits_evaluation_at_that_size
 
 def test_the_rewrite_keeps_the_config_at_its_own_size_and_keeps_its_crop_ratio():
     pipeline = config('deit_t_none_imagenet.py').test_dataloader.dataset.pipeline
-    assert tool.resized_pipeline(pipeline, (224, 224)) == pipeline  # 256 -> 224 already, bicubic
+    assert sizes.resized_pipeline(pipeline, (224, 224)) == pipeline  # 256 -> 224 already, bicubic
     wider = [dict(t, scale=288) if t['type'] == 'ResizeEdge' else t for t in pipeline]  # crop ratio 224 / 288
-    resize, crop = tool.resize_crop_indices(wider)
-    rewritten = tool.resized_pipeline(wider, (112, 112))
+    resize, crop = sizes.resize_crop_indices(wider)
+    rewritten = sizes.resized_pipeline(wider, (112, 112))
     assert (rewritten[resize]['scale'], rewritten[crop]['crop_size']) == (144, 112)
     assert wider[resize]['scale'] == 288  # the argument is left as it was
 
@@ -159,8 +161,8 @@ def test_the_rewrite_keeps_the_config_at_its_own_size_and_keeps_its_crop_ratio()
 @pytest.mark.parametrize('size', [(384, 384), (320, 384), (96, 64)])
 def test_the_rewritten_transforms_give_images_of_that_size(size):
     """The rewritten ResizeEdge and CenterCrop, built by mmpretrain, on a 375 x 500 image."""
-    pipeline = tool.resized_pipeline(config('deit_t_none_imagenet.py').test_dataloader.dataset.pipeline, size)
-    resize, crop = tool.resize_crop_indices(pipeline)
+    pipeline = sizes.resized_pipeline(config('deit_t_none_imagenet.py').test_dataloader.dataset.pipeline, size)
+    resize, crop = sizes.resize_crop_indices(pipeline)
     image = np.random.default_rng(0).integers(0, 256, size=(375, 500, 3), dtype=np.uint8)
     results = dict(img=image, img_shape=image.shape[:2], ori_shape=image.shape[:2])
     for transform in (pipeline[resize], pipeline[crop]):
@@ -170,10 +172,10 @@ def test_the_rewritten_transforms_give_images_of_that_size(size):
 
 def test_the_embedded_set_is_generated_at_that_size():
     cfg = config('pervit_t_shapes.py')
-    assert tool.config_test_size(cfg) == (64, 64)
-    change = tool.set_test_size(cfg, (96, 96))
+    assert sizes.config_test_size(cfg) == (64, 64)
+    change = sizes.set_test_size(cfg, (96, 96))
     assert cfg.test_dataloader.dataset.img_size == 96 and cfg.val_dataloader.dataset.img_size == 64
-    assert tool.config_test_size(cfg) == (96, 96)
+    assert sizes.config_test_size(cfg) == (96, 96)
     assert change == ("the PositionalShapes test split generated at 96 x 96 pixels (the config's: 64 x 64), "
                       "the same scenes")
     settings = {k: v for k, v in cfg.test_dataloader.dataset.items() if k != 'type'}
@@ -208,14 +210,14 @@ def test_a_pipeline_sized_by_one_resize_or_random_resized_crop_is_rewritten_to_t
     mmpretrain's transforms give a 375 x 500 image."""
     cfg = with_test_pipeline(transform)
     image = np.random.default_rng(0).integers(0, 256, size=(375, 500, 3), dtype=np.uint8)
-    assert tool.config_test_size(cfg) == size == run_transforms(cfg.test_dataloader.dataset.pipeline, image).shape[:2]
+    assert sizes.config_test_size(cfg) == size == run_transforms(cfg.test_dataloader.dataset.pipeline, image).shape[:2]
     for asked in ((96, 128), (64, 64)):
         rewritten = with_test_pipeline(transform)
-        change = tool.set_test_size(rewritten, asked)
+        change = sizes.set_test_size(rewritten, asked)
         assert change == (f"the test pipeline's {transform['type']} to {asked[0]} x {asked[1]} (the config's: "
                           f"{size[0]} x {size[1]})")
         pipeline = rewritten.test_dataloader.dataset.pipeline
-        assert tool.config_test_size(rewritten) == asked == run_transforms(pipeline, image).shape[:2]
+        assert sizes.config_test_size(rewritten) == asked == run_transforms(pipeline, image).shape[:2]
         assert {k: v for k, v in pipeline[1].items() if k != 'scale'} == \
             {k: v for k, v in transform.items() if k != 'scale'}  # its other settings as they were
 
@@ -223,23 +225,23 @@ def test_a_pipeline_sized_by_one_resize_or_random_resized_crop_is_rewritten_to_t
 def test_what_cannot_be_rewritten_is_an_error_naming_the_keys_to_set():
     with pytest.raises(ValueError, match=r'PositionalShapes draws square images: give one side, --img-size 96; '
                                          r'got 96 x 128'):
-        tool.set_test_size(config('deit_t_none_shapes.py'), (96, 128))
+        sizes.set_test_size(config('deit_t_none_shapes.py'), (96, 128))
     cfg = with_test_pipeline(dict(type='Resize', scale=224, keep_ratio=True))  # images of several sizes
     with pytest.raises(ValueError) as refusal:
-        tool.set_test_size(cfg, (384, 384))
+        sizes.set_test_size(cfg, (384, 384))
     assert str(refusal.value) == (
         "--img-size cannot rewrite this config's test data, a CheckedImageNet whose pipeline is [LoadImageFromFile, "
         "Resize, PackInputs]: it rewrites PositionalShapes (img_size), test pipelines that resize the short edge "
         "(ResizeEdge) and crop the centre (CenterCrop), and those whose one sizing transform is a Resize without "
         "keep_ratio or a RandomResizedCrop. Set the size by hand: --cfg-options "
         "test_dataloader.dataset.pipeline.1.scale=...")
-    assert tool.config_test_size(cfg) is None
+    assert sizes.config_test_size(cfg) is None
 
 
 def test_the_size_recorded_is_the_one_every_tested_image_had():
     """What --out records as img_size: the (height, width) of the images the loader gave, None where
     they differ."""
-    tested = tool.TestedImageSizes()
+    tested = evaluation.TestedImageSizes()
     assert tested.size() is None  # nothing tested
     tested.after_test_iter(None, 0, dict(inputs=[torch.zeros(3, 32, 48, dtype=torch.uint8)] * 2))
     tested.after_test_iter(None, 1, dict(inputs=[torch.zeros(3, 32, 48, dtype=torch.uint8)]))
@@ -251,7 +253,7 @@ def test_the_size_recorded_is_the_one_every_tested_image_had():
 @pytest.mark.parametrize('name', ['mask-rcnn_pervit-t_shapes.py', 'upernet_pervit-t_shapes.py'])
 def test_detectors_and_segmentors_are_refused_with_the_keys_to_set(name):
     with pytest.raises(ValueError) as refusal:
-        tool.set_test_size(config(name), (96, 96))
+        sizes.set_test_size(config(name), (96, 96))
     message = str(refusal.value)
     assert message.startswith("--img-size evaluates classifiers (mmpretrain's ImageClassifier and the like); "
                               "this config's model is ")
@@ -325,9 +327,9 @@ def test_a_size_that_fits_passes_the_check_and_the_model_is_left_as_it_was(memor
     for size in ((2048, 2048), (96, 128)):
         if size == (2048, 2048):
             with pytest.raises(MemoryError, match='attention over 16384 tokens'):
-                tool.check_test_fits(model, size, batch_size=1)
+                evaluation.check_test_fits(model, size, batch_size=1)
         else:
-            tool.check_test_fits(model, size, batch_size=128)
+            evaluation.check_test_fits(model, size, batch_size=128)
         assert model.training and len(probes) == 12 and not any(probe._forward_hooks for probe in probes)
 
 

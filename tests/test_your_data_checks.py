@@ -28,6 +28,7 @@ from posattn_openmmlab.checkpoint import load_checkpoint_file
 from posattn_openmmlab.class_checks import checkpoint_classes, trained_class_problem
 from posattn_openmmlab.data_checks import empty_image_files
 from posattn_openmmlab.datasets import SubsampledDataset
+from posattn_openmmlab.evaluation import TestedImageSizes
 from test_your_data import CLASSES, CONFIGS, LOADERS, Classes, config, image_folder  # noqa: F401 (a fixture)
 
 tool = load_test_tool()  # tools/test.py
@@ -87,7 +88,7 @@ def metrics_of(image_folder, tmp_path, checkpoint):
 def count_test_batches(monkeypatch):
     """The test batches tools/test.py runs from now on, as its image-size hook sees them."""
     batches = []
-    monkeypatch.setattr(tool.TestedImageSizes, 'after_test_iter', lambda *args, **kwargs: batches.append(1))
+    monkeypatch.setattr(TestedImageSizes, 'after_test_iter', lambda *args, **kwargs: batches.append(1))
     return batches
 
 

@@ -9,13 +9,11 @@ from pathlib import Path
 
 import torch
 from mmengine.config import Config, DictAction
-from mmengine.registry import RUNNERS
 
 import posattn_openmmlab  # noqa: F401  (the registrations)
-from posattn_openmmlab.class_checks import ClassCountCheck
 from posattn_openmmlab.linked_settings import LINKED_KEYS, config_value, merge_options  # noqa: F401  (the tools')
 from posattn_openmmlab.logs import is_validation, logged_scalars  # noqa: F401  (the tools')
-from posattn_openmmlab.runner import PosattnRunner
+from posattn_openmmlab.runner import build_runner  # noqa: F401  (the tools')
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Keys of a logged validation row that are not metrics: its timing, and where it was logged
@@ -64,28 +62,6 @@ def load_config(args) -> Config:
         if args.launcher == 'pytorch' and not torch.distributed.is_initialized():
             torch.distributed.init_process_group(backend='gloo')
     return cfg
-
-
-def build_runner(cfg: Config) -> PosattnRunner:
-    """The config's ``runner_type`` (``PosattnRunner`` when it names none), which must be
-    ``PosattnRunner`` or derive from it: the tools rely on its strict, weights-only loading, atomic
-    saves, exact resume and work_dir lock. With :class:`~posattn_openmmlab.class_checks.ClassCountCheck`
-    registered: a classifier with fewer outputs than its data has classes, or (a config whose
-    ``linked_keys`` set ``num_classes``) with another number, stops before its first training step
-    or test batch."""
-    name = cfg.get('runner_type', 'PosattnRunner')
-    runner_cls = RUNNERS.get(name)
-    if not (isinstance(runner_cls, type) and issubclass(runner_cls, PosattnRunner)):
-        raise ValueError(f"runner_type={name!r} in the config is not a PosattnRunner (posattn_openmmlab."
-                         f"runner), which tools/train.py and tools/test.py need: use runner_type='PosattnRunner' "
-                         f"or a subclass of it")
-    runner = runner_cls.from_cfg(cfg)
-    if 'num_classes' in (cfg.get(LINKED_KEYS) or {}):  # the number of class folders: exactly
-        runner.register_hook(ClassCountCheck('num_classes={n}', exact=True))
-    else:  # perhaps a subset of a larger label set
-        runner.register_hook(ClassCountCheck('model.head.num_classes={n} data_preprocessor.num_classes={n}',
-                                             exact=False))
-    return runner
 
 
 def leave_process_group() -> None:

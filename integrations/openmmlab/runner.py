@@ -68,13 +68,15 @@ from posattn.models.registry import fitting_model, load_weights, state_dict_mism
 from ._compat import (has_loaded_checkpoint, mark_checkpoint_loaded, request_resume, resume_request,
                       runner_trains)
 from .atomic import atomic_target
+from .class_checks import ClassCountCheck
 from .checkpoint import load_checkpoint_file, posattn_checkpoint_loading
 from .position_cache_hook import PositionCacheHook
 from .random_state import RandomStateHook
 from .torchvision_ops import devices_without_mmcv_kernels, mmcv_ops_routed
+from .linked_settings import LINKED_KEYS
 from .work_dir_lock import WorkDirInUseError, WorkDirLock
 
-__all__ = ['PosattnRunner', 'load_model_weights', 'find_resumable_checkpoint', 'ResumePoint']
+__all__ = ['PosattnRunner', 'build_runner', 'load_model_weights', 'find_resumable_checkpoint', 'ResumePoint']
 
 PARTIAL_LOAD_HINT = ('  to load only the weights that fit: --partial-load (tools/train.py, tools/test.py) or '
                      'partial_load = True in the config; every skipped key is then logged')
@@ -400,3 +402,25 @@ class PosattnRunner(Runner):
             return super().save_checkpoint(out_dir, filename, file_client_args, backend_args=backend_args, **options)
         with atomic_target(os.path.join(out_dir, filename)) as temporary:
             super().save_checkpoint(os.path.dirname(temporary), os.path.basename(temporary), **options)
+
+
+def build_runner(cfg: Any) -> PosattnRunner:
+    """The config's ``runner_type`` (``PosattnRunner`` when it names none), which must be
+    ``PosattnRunner`` or derive from it: the tools rely on its strict, weights-only loading, atomic
+    saves, exact resume and work_dir lock. With :class:`~posattn_openmmlab.class_checks.ClassCountCheck`
+    registered: a classifier with fewer outputs than its data has classes, or (a config whose
+    ``linked_keys`` set ``num_classes``) with another number, stops before its first training step
+    or test batch."""
+    name = cfg.get('runner_type', 'PosattnRunner')
+    runner_cls = RUNNERS.get(name)
+    if not (isinstance(runner_cls, type) and issubclass(runner_cls, PosattnRunner)):
+        raise ValueError(f"runner_type={name!r} in the config is not a PosattnRunner (posattn_openmmlab."
+                         f"runner), which tools/train.py and tools/test.py need: use runner_type='PosattnRunner' "
+                         f"or a subclass of it")
+    runner = runner_cls.from_cfg(cfg)
+    if 'num_classes' in (cfg.get(LINKED_KEYS) or {}):  # the number of class folders: exactly
+        runner.register_hook(ClassCountCheck('num_classes={n}', exact=True))
+    else:  # perhaps a subset of a larger label set
+        runner.register_hook(ClassCountCheck('model.head.num_classes={n} data_preprocessor.num_classes={n}',
+                                             exact=False))
+    return runner
