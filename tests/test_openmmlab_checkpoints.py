@@ -238,6 +238,21 @@ def test_load_from_a_checkpoint_of_another_model_stops_training(pervit_small_che
 
 
 @pytest.mark.slow
+def test_a_training_checkpoint_records_each_phi_and_tools_test_refuses_other_settings(uninterrupted, tmp_path):
+    """The checkpoints tools/train.py writes record each Φp (under the classifier's module paths);
+    tools/test.py with a config whose Φp computes otherwise (PerViT's Φp with one projection layer)
+    refuses the checkpoint naming both."""
+    from posattn.convert import saved_phi_records
+    records = saved_phi_records(load_local_checkpoint(str(uninterrupted / 'epoch_3.pth')))
+    assert records['backbone.model.blocks.0.attn.phi']['name'] == 'peripheral'
+    assert records['backbone.model.blocks.0.cpe'] == {'name': 'peg', 'settings': {'dim': 16, 'residual': False}}
+    _, failed = failing(sys.executable, 'tools/test.py', CONFIG, str(uninterrupted / 'epoch_3.pth'), '--work-dir',
+                        str(tmp_path), '--cfg-options', *TINY, 'model.backbone.phi_multi_layer=False')
+    assert ("backbone.model.blocks.0.attn.phi: the weights are those of a peripheral Φp with multi_layer=True, this "
+            "one has multi_layer=False") in failed
+
+
+@pytest.mark.slow
 def test_tools_test_partial_load_evaluates_and_lists_the_skipped_keys(uninterrupted, tmp_path):
     """... in the work_dir of a running training (played by this test), whose files stay as they are."""
     (tmp_path / 'pervit_t_shapes.py').write_text("# the running training's config dump\n")

@@ -121,7 +121,7 @@ def relations_config():
 
 
 def test_extent_and_scale_rewrite_the_relations_test_split():
-    tool = load_test_tool()
+    import posattn_openmmlab.sizes as tool
     cfg = relations_config()
     assert tool.config_test_size(cfg) == (64, 64)
     said = tool.set_test_extent(cfg, 128)
@@ -149,8 +149,7 @@ def test_the_command_line_takes_a_scale_or_an_extent(capsys):
 def test_the_relations_study_has_every_registered_phi_clipped_on_the_relations_data():
     """The resolution study's rows, and the decomposed tables, which complete the registered Φp."""
     import posattn
-    sys.path.insert(0, str(REPO / 'tools'))
-    from _study import STUDIES, load_study
+    from posattn_openmmlab.study import STUDIES, load_study
     relations, resolution = load_study(STUDIES / 'relations.py'), load_study(STUDIES / 'resolution.py')
     assert [(row.name, row.path) for row in relations.rows.values() if row.name != 'decomposed_rpb'] == \
         [(row.name, row.path) for row in resolution.rows.values()]
@@ -163,9 +162,8 @@ def test_the_relations_study_has_every_registered_phi_clipped_on_the_relations_d
 def test_the_relations_ablations_are_the_ablation_rows_on_the_relations_data_sharing_row_a():
     """Its rows are the ablation study's on PositionalRelations; row (a) is the relations study's
     PerViT-T row, the same config and options, so a finished run of one is a finished run of the other."""
-    sys.path.insert(0, str(REPO / 'tools'))
-    import compare_phis
-    from _study import STUDIES, load_data, load_study, row_config, with_options
+    from posattn_openmmlab.study import STUDIES, load_data, load_study, run_options
+    from posattn_openmmlab.study.spec import config_digest, recorded_options, row_config, with_options
     study, ablations = load_study(STUDIES / 'relations_ablations.py'), load_study(STUDIES / 'ablations.py')
     relations = load_study(STUDIES / 'relations.py')
     assert [(row.name, row.label) for row in study.rows.values()] == \
@@ -175,14 +173,14 @@ def test_the_relations_ablations_are_the_ablation_rows_on_the_relations_data_sha
                                                                relations.rows['pervit_t'].options)
     assert study.data == relations.data and study.analyse
     data = load_data(study.data)
-    args = compare_phis.parse_args(['--experiment', 'relations_ablations'])
     for name, row in study.rows.items():  # every row clipped: (a) by its options, the others by their configs
-        config = with_options(row_config(row, data), compare_phis.overrides(args, 0, row))
+        config = with_options(row_config(row, data), run_options(row, 0, {}))
         assert config.optim_wrapper.clip_grad.max_norm == 1.0, name
         assert config.train_dataloader.dataset.type == 'PositionalRelations', name
-    digests = [compare_phis.config_digest(row_config(row, data), compare_phis.overrides(args, 0, row))
-               for row in (study.rows['a'], relations.rows['pervit_t'])]
-    assert digests[0] == digests[1]
+    runs = [(recorded_options(run_options(row, 0, {})), config_digest(with_options(row_config(row, data),
+                                                                                   run_options(row, 0, {}))))
+            for row in (study.rows['a'], relations.rows['pervit_t'])]
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.slow
@@ -196,16 +194,17 @@ def test_the_relations_study_tests_each_run_at_other_scales_and_extents(tmp_path
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (run,) = json.loads((tmp_path / 'comparison.json').read_text())['runs']
-    assert list(run['top1_at_size']) == ['32', '64', '96', '128']
-    assert list(run['top1_at_extent']) == ['64', '96', '128']
+    assert list(run['top1_at']['size']) == ['32', '64', '96', '128']
+    assert list(run['top1_at']['extent']) == ['64', '96', '128']
     final = run['top1_per_epoch'][-1]
-    assert run['top1_at_size']['64'] == pytest.approx(final) and run['top1_at_extent']['64'] == pytest.approx(final)
+    assert run['top1_at']['size']['64'] == pytest.approx(final) and run['top1_at']['extent']['64'] == pytest.approx(final)
     measured = json.loads((tmp_path / 'none' / 'seed0' / 'extent' / 'top1_at_128.json').read_text())
-    assert measured['img_size'] == [128, 128] and measured['extent'] == 128
+    assert measured['img_size'] == [128, 128]
     table = (tmp_path / 'comparison.md').read_text()
-    assert 'on larger canvases' in table and '| 1x: 64 px | 1.5x: 96 px | 2x: 128 px |' in table
+    assert 'test scenes of the training scale on a larger canvas' in table
+    assert '| 1x: 64 px | 1.5x: 96 px | 2x: 128 px |' in table
     assert (tmp_path / 'extent.png').read_bytes()[:4] == b'\x89PNG'
-    assert 'optim_wrapper' in (tmp_path / 'none' / 'config.py').read_text()  # clipped: the row's options
+    assert 'max_norm=1.0' in (tmp_path / 'none' / 'seed0' / 'config.py').read_text()  # clipped: the study's options
 
     # --report: the finished run tabulated again, the seed that never ran left out, nothing trained
     again = subprocess.run(command + ['--seeds', '0', '1', '--report'], cwd=REPO, capture_output=True, text=True,

@@ -1,7 +1,7 @@
-"""tools/compare_phis.py, with tools/_study.py and tools/_step_timing.py: its study files (the built-in
-ones and a user's), the data a study is given, the figures' labels and the step timing read from the
-configs, and, with a reduced budget, runs that train through tools/train.py and the table, JSON and
-plot that come from their logs."""
+"""tools/compare_phis.py, the command over posattn_openmmlab.study: the built-in studies and a user's,
+the data a study is given, the figures' labels and the step timing read from the configs, --report,
+and, with a reduced budget, studies that train through tools/train.py, tested and analysed, with the
+table, JSON and plots that come from their logs. The library's parts alone: tests/test_study.py."""
 import json
 import subprocess
 import sys
@@ -15,64 +15,17 @@ require_openmmlab()  # every test imports or runs tools/compare_phis.py
 
 # tools/ is on the import path (conftest.py), as it is for the tool when it runs as a script
 import compare_phis as tool  # noqa: E402
-from _step_timing import step_timing_note, time_training_steps, training_step  # noqa: E402
-from _study import (DATA_KEYS, STUDIES, Row, builtin_studies, load_data, load_study, planned_rows,  # noqa: E402
-                    row_config, with_options)
+from posattn_openmmlab.study import (STUDIES, RunRecord, RunStore, checked_run_configs, load_data,  # noqa: E402
+                                     load_study, planned_rows, run_options, time_training_steps)
+from posattn_openmmlab.study.figures import comparison_figure, dataset_name, figure_labels, row_colours  # noqa: E402
+from posattn_openmmlab.study.figures import save_figure, size_figure  # noqa: E402
+from posattn_openmmlab.study.records import read_logged_run  # noqa: E402
+from posattn_openmmlab.study.report import SIZE_TESTS, mean_std, summarise  # noqa: E402
+from posattn_openmmlab.study.spec import DATA_KEYS, Row, config_digest, row_config, with_options  # noqa: E402
+from posattn_openmmlab.study.timing import step_timing_note, training_step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-# The built-in studies written out independently of configs/studies/, as docs/results.md reports them:
-# (name, config, label, start_from), and the work dir, whether runs are analysed and the test sizes.
-OLD_EXPERIMENTS = {
-    'table2': ([
-        ('deit_t_none', 'deit_t_none_shapes.py', 'DeiT-T (abs. embedding)', None),
-        ('deit_t_peg', 'deit_t_peg_shapes.py', 'DeiT-T + CPVT (PEG)', None),
-        ('deit_t_irpe', 'deit_t_irpe_shapes.py', 'DeiT-T + iRPE-K', None),
-        ('deit_t_peripheral', 'deit_t_peripheral_shapes.py', 'DeiT-T + PPE (peripheral)', None),
-        ('pervit_t', 'pervit_t_shapes.py', 'PerViT-T', None),
-    ], 'work_dirs/compare_phis', False, ()),
-    'schemes': ([
-        ('deit_t_none', 'deit_t_none_shapes.py', 'DeiT-T (abs. embedding)', None),
-        ('deit_t_rope', 'deit_t_rope_shapes.py', 'DeiT-T + RoPE-Mixed (rope)', None),
-        ('deit_t_rpb', 'deit_t_rpb_shapes.py', 'DeiT-T + bias table (rpb)', None),
-        ('deit_t_alibi', 'deit_t_alibi_shapes.py', 'DeiT-T + 2D ALiBi (alibi)', None),
-        ('deit_t_gpsa', 'deit_t_gpsa_shapes.py', 'DeiT-T + GPSA (gpsa)', None),
-        ('convit_t', 'convit_t_shapes.py', 'ConViT-T-like (gpsa in blocks 0-9)', None),
-    ], 'work_dirs/compare_phis/schemes', False, ()),
-    'swap': ([
-        ('deit_t', 'swap/deit-t_shapes.py', "mmpretrain's DeiT-T (abs. embedding), from scratch", None),
-        ('finetune_none', 'swap/deit-t_finetune-none_shapes.py', "DeiT-T fine-tuned, + plain attention ('none')",
-         'deit_t'),
-        ('finetune_peg', 'swap/deit-t_finetune-peg_shapes.py', 'DeiT-T fine-tuned, + CPVT (PEG)', 'deit_t'),
-        ('finetune_irpe', 'swap/deit-t_finetune-irpe_shapes.py', 'DeiT-T fine-tuned, + iRPE-K', 'deit_t'),
-        ('finetune_peripheral', 'swap/deit-t_finetune-peripheral_shapes.py', 'DeiT-T fine-tuned, + PPE (peripheral)',
-         'deit_t'),
-    ], 'work_dirs/compare_phis/swap', False, ()),
-    'ablations': ([
-        ('a', 'ablations/shapes/pervit-t_components-a_shapes.py', '(a) PerViT-T, peripheral init', None),
-        ('b', 'ablations/shapes/pervit-t_components-b_shapes.py', '(b) without Φp', None),
-        ('c', 'ablations/shapes/pervit-t_components-c_shapes.py', '(c) without Φc', None),
-        ('init_conv', 'ablations/shapes/pervit-t_init-conv_shapes.py', '(a), conv init', None),
-        ('init_rand', 'ablations/shapes/pervit-t_init-rand_shapes.py', '(a), rand init', None),
-        ('design_euc_ml', 'ablations/shapes/pervit-t_design-euc-ml_shapes.py', '(a), Φp Euc + ML', None),
-        ('design_euc', 'ablations/shapes/pervit-t_design-euc_shapes.py', '(a), Φp Euc', None),
-        ('design_lrn_n_ml', 'ablations/shapes/pervit-t_design-lrn-n-ml_shapes.py', '(a), Φp Lrn + N + ML', None),
-        ('design_lrn_ml', 'ablations/shapes/pervit-t_design-lrn-ml_shapes.py', '(a), Φp Lrn + ML', None),
-        ('design_lrn', 'ablations/shapes/pervit-t_design-lrn_shapes.py', '(a), Φp Lrn', None),
-    ], 'work_dirs/compare_phis/ablations', True, ()),
-    'resolution': ([
-        ('none', 'study/deit-t-half_none_shapes.py', 'no position (plain attention, no embedding)', None),
-        ('ape', 'study/deit-t-half_ape_shapes.py', 'APE (learned absolute embedding)', None),
-        ('peg', 'study/deit-t-half_peg_shapes.py', 'CPVT (PEG), no APE', None),
-        ('irpe', 'study/deit-t-half_irpe_shapes.py', 'iRPE-K + APE', None),
-        ('peripheral', 'study/deit-t-half_peripheral_shapes.py', 'PPE (peripheral) + APE', None),
-        ('pervit_t', 'study/pervit-t-half_shapes.py', 'PerViT-T (conv stem, CPE, peripheral)', None),
-        ('rope', 'study/deit-t-half_rope_shapes.py', 'RoPE-Mixed, no APE', None),
-        ('rpb', 'study/deit-t-half_rpb_shapes.py', 'bias table (rpb), no APE', None),
-        ('alibi', 'study/deit-t-half_alibi_shapes.py', '2D ALiBi, no APE', None),
-        ('gpsa', 'study/deit-t-half_gpsa_shapes.py', 'GPSA + APE', None),
-    ], 'work_dirs/compare_phis/resolution', False, (0.5, 0.75, 1.0, 1.5, 2.0)),
-}
+BUILT_IN = sorted(path.stem for path in STUDIES.glob('*.py'))
 
 
 def write_image_folder(root: Path, size: int = 64, per_class: dict = None) -> Path:
@@ -119,25 +72,60 @@ def write_tiny_row(path: Path, base: str) -> Path:
     return path
 
 
-def test_the_built_in_studies_hold_the_rows_the_tool_had():
-    # relations and relations_ablations: tests/test_relations_dataset.py
-    assert builtin_studies() == sorted([*OLD_EXPERIMENTS, 'relations', 'relations_ablations'])
-    for experiment, (rows, work_dir, analysed, factors) in OLD_EXPERIMENTS.items():
-        study = tool.parse_args(['--experiment', experiment]).study
-        assert [(row.name, row.config, row.label, row.start_from) for row in study.rows.values()] == rows, experiment
-        assert all(row.path == ROOT / 'configs' / row.config for row in study.rows.values())
-        assert (study.work_dir, study.analyse, study.test_size_factors) == (work_dir, analysed, factors)
-        assert study.data is None
+@pytest.mark.parametrize('name', BUILT_IN)
+def test_every_built_in_study_passes_its_checks(name):
+    """Every row of every built-in study loads, takes its options and its tests at other sizes, and
+    names registered Φp: what a run checks before it trains anything."""
+    study = load_study(STUDIES / f'{name}.py')
+    assert study.rows and all(row.path.is_file() for row in study.rows.values())
+    data = load_data(study.data) if study.data else None
+    planned = planned_rows(study)
+    configs = checked_run_configs(study, planned, data, {row: run_options(study.rows[row], 0, {}, epochs=3)
+                                                         for row in planned}, ROOT)
+    for cfg in configs.values():  # --epochs: the run's length, and the schedules that ended with it
+        assert cfg.train_cfg.max_epochs == 3 and max(s.get('end', 0) for s in cfg.param_scheduler) <= 3
     assert tool.parse_args([]).study == tool.parse_args(['--experiment', 'table2']).study  # the default
 
 
 def test_swap_experiment_trains_the_starting_model_first():
     args = tool.parse_args(['--experiment', 'swap', '--rows', 'finetune_peripheral', 'finetune_peg'])
     assert planned_rows(args.study, args.rows) == ['deit_t', 'finetune_peg', 'finetune_peripheral']
-    assert args.work_dir == 'work_dirs/compare_phis/swap'
-    assert tool.parse_args([]).work_dir == 'work_dirs/compare_phis'
+    assert args.work_dir == Path('work_dirs/compare_phis/swap')
+    assert tool.parse_args([]).work_dir == Path('work_dirs/compare_phis')
     with pytest.raises(SystemExit):
         tool.parse_args(['--rows', 'finetune_peg'])  # a row of the other experiment
+
+
+def test_a_fine_tune_starts_from_the_last_checkpoint_of_its_run(tmp_path):
+    store = RunStore(tmp_path)
+    with pytest.raises(FileNotFoundError, match='no last_checkpoint file'):
+        store.last_checkpoint('deit_t', 1)
+    store.run_dir('deit_t', 1).mkdir(parents=True)
+    (store.run_dir('deit_t', 1) / 'last_checkpoint').write_text('work_dirs/elsewhere/deit_t/seed1/epoch_10.pth\n')
+    start = store.last_checkpoint('deit_t', 1)
+    assert start == store.run_dir('deit_t', 1) / 'epoch_10.pth'  # in the run's folder, wherever it ran
+    study = tool.parse_args(['--experiment', 'swap']).study
+    options = run_options(study.rows['finetune_peg'], 1, {}, epochs=3, starting_checkpoint=start)
+    assert options == {'randomness.seed': 1, 'train_cfg.max_epochs': 3,
+                       'model.backbone.backbone.init_cfg.checkpoint': str(start),
+                       'model.head.init_cfg.checkpoint': str(start)}
+    row = study.rows['deit_t']._replace(checkpoint_keys=('load_from',))  # a row's own keys
+    assert list(run_options(row, 1, {}, starting_checkpoint=start).items())[1:] == [('load_from', str(start))]
+
+
+def test_a_rows_options_reach_its_runs_after_the_command_lines(tmp_path):
+    """The same config twice, another Φp per row: each run trains its row's, whatever the command
+    line sets for all rows; the seed and the budget stay the tool's."""
+    (tmp_path / 'study.py').write_text(
+        "rows = [dict(name='a', config='deit_t_none_shapes.py', options=dict(phi='rope')),\n"
+        "        dict(name='b', config='deit_t_none_shapes.py')]\n")
+    args = tool.parse_args(['--study', str(tmp_path / 'study.py'), '--epochs', '3', '--cfg-options', 'phi=peg',
+                            'randomness.seed=7'])
+    rows = args.study.rows
+    assert rows['a'].options == (('phi', 'rope'),) and rows['b'].options == ()
+    assert run_options(rows['a'], 1, args.cfg_options, args.epochs) == {
+        'phi': 'rope', 'randomness.seed': 1, 'train_cfg.max_epochs': 3}
+    assert run_options(rows['b'], 1, args.cfg_options, args.epochs)['phi'] == 'peg'
 
 
 def test_a_row_listed_before_the_one_it_starts_from_trains_after_it(tmp_path):
@@ -149,36 +137,6 @@ def test_a_row_listed_before_the_one_it_starts_from_trains_after_it(tmp_path):
     assert planned_rows(study) == ['base', 'ft', 'other']
     assert planned_rows(study, ['ft']) == ['base', 'ft']
     assert study.rows['ft'].label == 'ft'  # no label: the name
-
-
-def test_a_fine_tune_starts_from_the_last_checkpoint_of_its_run(tmp_path):
-    with pytest.raises(FileNotFoundError, match='no last_checkpoint file'):
-        tool.last_checkpoint(tmp_path)
-    (tmp_path / 'last_checkpoint').write_text(f'{tmp_path / "epoch_10.pth"}\n')
-    start = tool.last_checkpoint(tmp_path)
-    assert start == tmp_path / 'epoch_10.pth'
-    args = tool.parse_args(['--experiment', 'swap', '--epochs', '3'])
-    options = tool.overrides(args, seed=1, row=args.study.rows['finetune_peg'], starting_checkpoint=start)
-    assert options == {'randomness.seed': 1, 'train_cfg.max_epochs': 3, 'param_scheduler.1.end': 3,
-                       'model.backbone.backbone.init_cfg.checkpoint': str(start),
-                       'model.head.init_cfg.checkpoint': str(start)}
-    assert tool.recorded_options(options)[3:] == [f'model.backbone.backbone.init_cfg.checkpoint={start}',
-                                                  f'model.head.init_cfg.checkpoint={start}']
-    row = args.study.rows['deit_t']._replace(checkpoint_keys=('load_from',))  # a row's own keys
-    assert list(tool.overrides(args, seed=1, row=row, starting_checkpoint=start).items())[3:] == [
-        ('load_from', str(start))]
-
-
-def test_every_row_config_has_what_the_tool_sets():
-    from mmengine.config import Config
-    for experiment in builtin_studies():
-        for name, row in load_study(STUDIES / f'{experiment}.py').rows.items():
-            cfg = Config.fromfile(row.path)
-            assert cfg.param_scheduler[1].end == cfg.train_cfg.max_epochs, name  # what --epochs overrides
-            if row.start_from:
-                assert cfg.model.backbone.type == 'PosattnSwappedBackbone', name
-                assert cfg.model.backbone.backbone.init_cfg.prefix == 'backbone.'
-                assert cfg.model.head.init_cfg == dict(type='Pretrained', checkpoint=cfg.pretrained, prefix='head.')
 
 
 def test_a_study_file_names_configs_beside_it_or_under_configs(tmp_path):
@@ -194,7 +152,7 @@ def test_a_study_file_names_configs_beside_it_or_under_configs(tmp_path):
     assert study.rows['peg'].path == ROOT / 'configs' / 'study' / 'deit-t-half_peg_shapes.py'
     assert study.data == tmp_path / 'data.py' and study.analyse and study.test_size_factors == (1.0, 2.0)
     assert study.work_dir == 'work_dirs/compare_phis/mine_study'  # no work_dir: the file's name
-    assert tool.parse_args(['--study', str(tmp_path / 'mine_study.py'), '--work-dir', 'x']).work_dir == 'x'
+    assert tool.parse_args(['--study', str(tmp_path / 'mine_study.py'), '--work-dir', 'x']).work_dir == Path('x')
     other_data = write_data_config(tmp_path / 'other_data.py', tmp_path / 'images')
     args = tool.parse_args(['--study', str(tmp_path / 'mine_study.py'), '--data', str(other_data)])
     assert args.study.data == other_data  # --data before the study's own
@@ -203,38 +161,23 @@ def test_a_study_file_names_configs_beside_it_or_under_configs(tmp_path):
     assert [(row.name, row.label, row.path) for row in args.study.rows.values()] == [
         ('mine', 'mine', tmp_path / 'mine.py'),
         ('deit-t-half_peg_shapes', 'deit-t-half_peg_shapes', ROOT / 'configs/study/deit-t-half_peg_shapes.py')]
-    assert args.work_dir == 'work_dirs/compare_phis/configs'
-
-
-def test_a_rows_options_reach_its_runs_after_the_command_lines(tmp_path):
-    """The same config twice, another Φp per row: each run trains its row's, whatever the command
-    line sets for all rows; the seed and the budget stay the tool's."""
-    (tmp_path / 'study.py').write_text(
-        "rows = [dict(name='a', config='deit_t_none_shapes.py', options=dict(phi='rope')),\n"
-        "        dict(name='b', config='deit_t_none_shapes.py')]\n")
-    args = tool.parse_args(['--study', str(tmp_path / 'study.py'), '--epochs', '3', '--cfg-options', 'phi=peg',
-                            'randomness.seed=7'])
-    rows = args.study.rows
-    assert rows['a'].options == (('phi', 'rope'),) and rows['b'].options == ()
-    assert tool.overrides(args, 1, rows['a']) == {'phi': 'rope', 'randomness.seed': 1, 'train_cfg.max_epochs': 3,
-                                                  'param_scheduler.1.end': 3}
-    assert tool.overrides(args, 1, rows['b'])['phi'] == 'peg'
+    assert args.work_dir == Path('work_dirs/compare_phis/configs')
 
 
 @pytest.mark.parametrize('text, message', [
     ("rows = []\n", r'has no rows: a study sets rows = \[dict\(name=..., config=..., label=...\), ...\]'),
     ("rows = [dict(name='a', config='deit_t_none_shapes.py')]\nanalyze = True\n",
-     'sets analyze, which a study does not know; a study sets rows, data, analyse, test_size_factors, '
-     'test_extent_factors, work_dir'),
+     'sets analyze, which a study does not know; a study sets rows, options, row_changes, data, analyse, '
+     'test_size_factors, test_extent_factors, equal_within, work_dir'),
     ("rows = ['deit_t_none_shapes.py']\n", r"row 1: a row is dict\(name=..., config=..., label=...\), got"),
     ("rows = [dict(name='a', config='deit_t_none_shapes.py', lable='A')]\n",
      'row 1 sets lable, which a row does not know; a row sets name, config, label, options, start_from, '
      'checkpoint_keys'),
     ("rows = [dict(name='a', config='deit_t_none_shapes.py', options='phi=rope')]\n",
-     r"row 1: options are the row's --cfg-options as a dict, e.g. dict\(phi='rope'\), got 'phi=rope'"),
+     r"row 1: the row's options are config overrides as a dict, e.g. dict\(phi='rope'\), got 'phi=rope'"),
     ("rows = [dict(name='a')]\n", 'row 1 has no config: every row needs a name and a config'),
     ("rows = [dict(name='a b', config='deit_t_none_shapes.py')]\n", "the name 'a b' is no folder name"),
-    ("rows = [dict(name='a', config='nowhere.py')]\n", 'no config file nowhere.py: looked for .*nowhere.py and '
+    ("rows = [dict(name='a', config='nowhere.py')]\n", r'row 1 \(a\): no config file nowhere.py: looked for .*nowhere.py and '
                                                        '.*configs/nowhere.py'),
     ("rows = [dict(name='a', config='deit_t_none_shapes.py'), dict(name='a', config='deit_t_peg_shapes.py')]\n",
      "two rows are named 'a'; give each row its own name"),
@@ -307,30 +250,26 @@ def test_the_figures_take_the_data_name_the_chance_and_the_batch_from_the_config
     from mmengine.config import Config
     study = load_study(STUDIES / 'table2.py')
     shapes = {name: row_config(row, None) for name, row in study.rows.items()}
-    timing = {name: dict(step_time_s=0.2, batch_size=64, input_size=[64, 64]) for name in shapes}
-    assert tool.figure_labels(shapes, timing) == dict(
-        dataset='PositionalShapes', chance_top1=[pytest.approx(100 / 6)],
-        step_time_axis='training step time (ms; batch 64, 64 x 64 px; CPU, 1 thread)')
-    assert tool.figure_labels(shapes, None)['step_time_axis'] is None
+    axis = 'training step time (ms; batch 64, 64 x 64 px; CPU, 1 thread)'
+    assert figure_labels(shapes, axis) == ('PositionalShapes', [pytest.approx(100 / 6)], axis)
 
     data = load_data(write_data_config(tmp_path / 'data.py', tmp_path / 'my_flowers'))
     mine = row_config(study.rows['pervit_t'], data)
-    assert tool.dataset_name(mine) == 'CustomDataset (my_flowers)'
+    assert dataset_name(mine) == 'CustomDataset (my_flowers)'
     wrapped = Config(dict(train_dataloader=dict(dataset=dict(type='RepeatDataset', times=2, dataset=dict(
         type='CustomDataset', data_prefix=dict(img_path='/data/birds/train'))))))
-    assert tool.dataset_name(wrapped) == 'CustomDataset (train)'
+    assert dataset_name(wrapped) == 'CustomDataset (train)'
     named = load_data(write_data_config(tmp_path / 'named.py', tmp_path / 'x', extra="dataset_name = 'Birds'"))
-    assert tool.dataset_name(row_config(study.rows['pervit_t'], named)) == 'Birds'
+    assert dataset_name(row_config(study.rows['pervit_t'], named)) == 'Birds'
 
-    runs = [dict(row=row, seed=0, top1_per_epoch=[50.0, 60.0 + index], params=1e6 * (1 + index), wall_s=6.0)
+    runs = [RunRecord(row, 0, [], '', 10 ** 6 * (1 + index), 6.0, [50.0, 60.0 + index],
+                      top1_at={'size': {'32': 55.0, '64': 60.0}})
             for index, row in enumerate(('deit_t_none', 'pervit_t'))]
-    timing = {'deit_t_none': dict(step_time_s=0.2, batch_size=8, input_size=[32, 32]),
-              'pervit_t': dict(step_time_s=0.3, batch_size=8, input_size=[32, 32])}
     configs = {'deit_t_none': mine, 'pervit_t': mine}
-    for timed in (timing, None):
-        labels = tool.figure_labels(configs, timed)
-        table = tool.summarise(runs, study.rows, timed)
-        fig = tool.comparison_figure(runs, table, study.rows, labels)
+    for timed in ({'deit_t_none': 0.2, 'pervit_t': 0.3}, None):
+        labels = figure_labels(configs, 'training step time (ms; batch 8, 32 x 32 px; CPU, 1 thread)' if timed else None)
+        table = summarise(runs, study.rows, timed)
+        fig = comparison_figure(runs, table, labels)
         curves, scatter = fig.axes
         assert curves.get_title() == 'CustomDataset (my_flowers)'
         (chance,) = [line for line in curves.get_lines() if line.get_label().startswith('chance')]
@@ -342,11 +281,11 @@ def test_the_figures_take_the_data_name_the_chance_and_the_batch_from_the_config
         else:  # no time axis where nothing was timed
             assert scatter.get_xlabel() == 'parameters (M)' and 'not measured' in scatter.get_title()
             assert [tuple(point) for point in points] == [(1.0, 60.0), (2.0, 61.0)]
-        tool.save_figure(fig, tmp_path / 'figure.png', 50)
-        runs_at_sizes = [dict(run, top1_at_size={'32': 55.0, '64': 60.0}) for run in runs]
-        fig = tool.resolution_figure(table, runs_at_sizes, (0.5, 1.0), labels)
-        assert fig.axes[0].get_title().startswith('CustomDataset (my_flowers) at other input sizes')
-        tool.save_figure(fig, tmp_path / 'resolution.png', 50)
+        save_figure(fig, tmp_path / 'figure.png', 50)
+        fig = size_figure(table, runs, SIZE_TESTS[0], (0.5, 1.0), labels, 'test image size')
+        assert fig.axes[0].get_title().startswith('CustomDataset (my_flowers): mean over seeds')
+        assert fig.axes[0].get_xlabel() == 'test image size, times the training size (no fine-tuning)'
+        save_figure(fig, tmp_path / 'resolution.png', 50)
 
 
 def test_a_training_step_is_timed_per_row_at_its_batch_and_input_size(tmp_path):
@@ -383,106 +322,63 @@ def test_a_training_step_changes_the_weights_as_the_configs_optimizer_does(tmp_p
     assert all(not torch.equal(before[name], param) for name, param in model.named_parameters()), 'a weight not updated'
 
 
+def record(row, seed, finals, **fields):
+    return RunRecord(row, seed, [f'randomness.seed={seed}'], '0' * 16, 10 ** 6, 60.0, list(finals), **fields)
+
+
 def test_every_table_gives_the_mean_the_standard_deviation_and_the_number_of_seeds():
-    assert tool.mean_std([98.0, 99.0, 100.0]) == '99.0 ± 1.0 (3 seeds)'  # sample deviation, n - 1
-    assert tool.mean_std([97.25]) == '97.2 (1 seed)'
-    runs = [dict(row='a', seed=seed, top1_per_epoch=[50.0, final], params=1e6, wall_s=60.0,
-                 top1_at_size={'32': final - 10, '64': final})
-            for seed, final in enumerate((90.0, 92.0, 94.0))]
+    assert mean_std([98.0, 99.0, 100.0]) == '99.0 ± 1.0 (3 seeds)'  # sample deviation, n - 1
+    assert mean_std([97.25]) == '97.2 (1 seed)'
+    runs = [record('a', seed, [50.0, final]) for seed, final in enumerate((90.0, 92.0, 94.0))]
     config = 'study/deit-t-half_ape_shapes.py'
     rows = {'a': Row('a', config, ROOT / 'configs' / config, 'APE')}
-    table = tool.summarise(runs, rows, {'a': dict(step_time_s=0.25, batch_size=64, input_size=[64, 64])})
-    assert table[0]['top1_std'] == pytest.approx(2.0) and table[0]['top1_spread'] == pytest.approx(4.0)
-    assert ('| APE | `study/deit-t-half_ape_shapes.py` | 1.00 | 2 | 92.0 ± 2.0 (3 seeds) | 4.0 | 92.0 | -, -, - '
-            '| 250 | 1.0 |') in tool.markdown(table, runs)
-    assert '| 4.0 | 92.0 | -, -, - | not measured | 1.0 |' in tool.markdown(tool.summarise(runs, rows), runs)
-    resolution = tool.resolution_markdown(table, runs, (0.5, 1.0))
-    assert '| model | 0.5x: 32 px | 1x: 64 px |' in resolution
-    assert '| APE | 82.0 ± 2.0 (3 seeds) | 92.0 ± 2.0 (3 seeds) |' in resolution
-
-
-def test_a_difference_carries_welchs_t_interval():
-    # Oracle by hand: means 2 and 5, variances 1 and 1, standard error sqrt(1/3 + 1/3); Welch's
-    # degrees of freedom (2/3)^2 / (2 (1/3)^2 / 2) = 4, and t(0.975, 4) = 2.7764451 from a table.
-    difference, low, high = tool.difference_interval([1.0, 2.0, 3.0], [4.0, 5.0, 6.0])
-    half_width = 2.7764451 * (2 / 3) ** 0.5
-    assert difference == pytest.approx(-3.0)
-    assert (low, high) == (pytest.approx(-3.0 - half_width, abs=1e-6), pytest.approx(-3.0 + half_width, abs=1e-6))
-    assert tool.difference_interval([1.0], [4.0, 5.0]) is None
-    assert tool.difference_interval([2.0, 2.0], [1.0, 1.0]) == (1.0, 1.0, 1.0)
-
-
-def test_the_ranking_says_which_differences_the_seed_decides():
-    finals = dict(a=(90.0, 91.0, 92.0), b=(70.0, 80.0, 90.0), c=(10.0, 11.0, 12.0))
-    runs = [dict(row=row, seed=seed, top1_per_epoch=[final], params=1e6, wall_s=60.0,
-                 top1_at_size={'64': 100.0 - final})
-            for row, values in finals.items() for seed, final in enumerate(values)]
-    config = 'study/deit-t-half_ape_shapes.py'
-    rows = {name: Row(name, config, ROOT / 'configs' / config, name.upper()) for name in finals}
-    lines = tool.ranking_markdown(tool.summarise(runs, rows), runs).splitlines()
-    assert lines[2].startswith('| 1 | A | 91.0 ± 1.0 (3 seeds) | +11.0 [') and lines[2].endswith('| the seed decides |')
-    assert lines[3].startswith('| 2 | B | 80.0 ± 10.0 (3 seeds) | +69.0 [') and lines[3].endswith('| apart |')
-    assert lines[4] == '| 3 | C | 11.0 ± 1.0 (3 seeds) | | |'
-    at_size = tool.ranking_markdown(tool.summarise(runs, rows), runs, ('top1_at_size', '64')).splitlines()
-    assert [line.split(' | ')[1] for line in at_size[2:]] == ['C', 'B', 'A']
+    (line,) = summarise(runs, rows, {'a': 0.25})
+    assert line.top1_std == pytest.approx(2.0) and line.step_time_ms == pytest.approx(250.0)
 
 
 @pytest.mark.parametrize('count', [3, 11, 25])
 def test_every_row_of_a_figure_has_a_colour_of_its_own(count):
     from matplotlib.colors import to_rgba
-    assert len({to_rgba(colour) for colour in tool.row_colours(count)}) == count
-    runs = [dict(row=f'r{index}', seed=0, top1_per_epoch=[50.0], params=1e6, wall_s=60.0,
-                 top1_at_size={'32': 20.0 + index, '64': 50.0 + index}) for index in range(count)]
+    assert len({to_rgba(colour) for colour in row_colours(count)}) == count
+    runs = [record(f'r{index}', 0, [50.0], top1_at={'size': {'32': 20.0 + index, '64': 50.0 + index}})
+            for index in range(count)]
     config = 'study/deit-t-half_ape_shapes.py'
-    rows = {run['row']: Row(run['row'], config, ROOT / 'configs' / config, run['row']) for run in runs}
-    labels = dict(dataset='PositionalShapes', chance_top1=[50.0], step_time_axis=None)
-    figure = tool.resolution_figure(tool.summarise(runs, rows), runs, (0.5, 1.0), labels)
+    rows = {run.row: Row(run.row, config, ROOT / 'configs' / config, run.row) for run in runs}
+    labels = figure_labels({}, None)._replace(dataset='PositionalShapes', chance_top1=[50.0])
+    figure = size_figure(summarise(runs, rows), runs, SIZE_TESTS[0], (0.5, 1.0), labels, 'scene size')
     drawn = [to_rgba(line.get_color()) for line in figure.axes[0].lines if line.get_label().startswith('r')]
     assert len(drawn) == count and len(set(drawn)) == count
-    figure = tool.comparison_figure(runs, tool.summarise(runs, rows), rows, labels)  # a curve per run
-    curves = [to_rgba(line.get_color()) for line in figure.axes[0].lines if line.get_label().startswith('r')]
-    assert len(curves) == count and len(set(curves)) == count
-
-
-def test_the_resolution_experiment_tests_each_row_at_half_to_twice_its_training_size():
-    study = load_study(STUDIES / 'resolution.py')
-    assert set(study.rows) >= {'none', 'ape', 'peg', 'irpe', 'peripheral', 'pervit_t', 'rope', 'rpb', 'alibi', 'gpsa'}
-
-    def sizes(row, options):
-        return tool.test_sizes(with_options(row_config(row, None), options), study.test_size_factors,
-                               row.config)
-    for row in study.rows.values():
-        assert sizes(row, {'randomness.seed': 0}) == [32, 48, 64, 96, 128], row.config
-    assert sizes(study.rows['ape'], {'test_dataloader.dataset.img_size': 32}) == [16, 24, 32, 48, 64]
-    with pytest.raises(ValueError, match='not a whole number of pixels'):
-        sizes(study.rows['ape'], {'test_dataloader.dataset.img_size': 50})  # 0.75 x 50 = 37.5
+    figure = comparison_figure(runs, summarise(runs, rows), labels)  # a curve per run
+    curves = {to_rgba(line.get_color()) for line in figure.axes[0].lines if len(line.get_xdata()) == 1}
+    assert len(curves) == count
 
 
 def test_a_run_is_reused_only_with_the_same_config_and_options(tmp_path):
     row = Row('row', 'row.py', tmp_path / 'row.py', 'a row')
     (tmp_path / 'row.py').write_text('model = dict(width=96)\n')
-    options = ['randomness.seed=0']
-    digest = tool.config_digest(row_config(row, None), options)
-    assert tool.config_digest(row_config(row, None), ['randomness.seed=1']) != digest
-    run_dir = tmp_path / 'run'
-    run_dir.mkdir()
-    assert tool.finished_run(run_dir, options, digest) is None  # nothing recorded yet
-    (run_dir / tool.RUN_RECORD).write_text(json.dumps(dict(options=options, config_digest=digest)))
-    assert tool.finished_run(run_dir, options, digest) == dict(options=options, config_digest=digest)
-    assert tool.finished_run(run_dir, ['randomness.seed=1'], digest) is None
+    digest = config_digest(row_config(row, None))
+    store, run = RunStore(tmp_path), record('row', 0, [50.0])
+    run.config_digest = digest
+    assert store.finished('row', 0, run.options, digest) is None  # nothing recorded yet
+    store.run_dir('row', 0).mkdir(parents=True)
+    store.save(run)
+    assert store.finished('row', 0, run.options, digest) == run
+    assert store.finished('row', 0, ['randomness.seed=1'], digest) is None
     (tmp_path / 'row.py').write_text('model = dict(width=64)\n')  # the config was edited since
-    assert tool.finished_run(run_dir, options, tool.config_digest(row_config(row, None), options)) is None
+    assert store.finished('row', 0, run.options, config_digest(row_config(row, None))) is None
 
 
 def record_finished_run(work_dir, args, name, seed, final, **tests):
     """Writes the run.json of a finished run of row ``name`` as the tool would (its options and config
     digest), with a made-up top-1 per epoch."""
-    row = args.study.rows[name]
-    options = tool.recorded_options(tool.overrides(args, seed, row))
-    run = dict(row=name, seed=seed, options=options, config_digest=tool.config_digest(row_config(row, None), options),
-               params=1e6, wall_s=60.0, top1_per_epoch=[final - 5, final], logged_step_time_s=0.1, **tests)
-    (work_dir / name / f'seed{seed}').mkdir(parents=True)
-    (work_dir / name / f'seed{seed}' / tool.RUN_RECORD).write_text(json.dumps(run))
+    from posattn_openmmlab.study.spec import recorded_options
+    row, data = args.study.rows[name], args.data
+    options = run_options(row, seed, args.cfg_options, args.epochs)
+    run = RunRecord(name, seed, recorded_options(options), config_digest(with_options(row_config(row, data), options)),
+                    10 ** 6, 60.0, [final - 5, final], top1_at=tests)
+    store = RunStore(work_dir)
+    store.run_dir(name, seed).mkdir(parents=True)
+    store.save(run)
 
 
 def test_report_tabulates_the_finished_runs_each_row_over_its_seeds_and_trains_nothing(tmp_path, monkeypatch,
@@ -492,28 +388,27 @@ def test_report_tabulates_the_finished_runs_each_row_over_its_seeds_and_trains_n
     args = tool.parse_args(argv)
     sizes = {'32': 20.0, '48': 40.0, '64': 0.0, '96': 50.0, '128': 30.0}
     for seed, final in enumerate((60.0, 70.0, 80.0, 90.0, 100.0)):  # ape: five seeds
-        record_finished_run(tmp_path, args, 'ape', seed, final, top1_at_size=dict(sizes, **{'64': final}))
+        record_finished_run(tmp_path, args, 'ape', seed, final, size=dict(sizes, **{'64': final}))
     for seed, final in enumerate((40.0, 42.0, 44.0)):  # peg: three seeds
-        record_finished_run(tmp_path, args, 'peg', seed, final, top1_at_size=dict(sizes, **{'64': final}))
-    shared = tmp_path / 'peg' / 'seed2' / tool.RUN_RECORD  # a run shared with another study, under its row name
+        record_finished_run(tmp_path, args, 'peg', seed, final, size=dict(sizes, **{'64': final}))
+    shared = tmp_path / 'peg' / 'seed2' / RunStore.RECORD  # a run shared with another study, under its row name
     shared.write_text(shared.read_text().replace('"row": "peg"', '"row": "other_studys_peg"'))
     record_finished_run(tmp_path, args, 'peg', 3, 46.0)  # finished, but never tested at the other sizes
-    record_finished_run(tmp_path, args, 'rope', 1, 50.0, top1_at_size=dict(sizes, **{'96': 51.0}))
-    (tmp_path / 'rope' / 'seed1' / tool.RUN_RECORD).write_text(  # recorded with other options: not this run
-        (tmp_path / 'rope' / 'seed1' / tool.RUN_RECORD).read_text().replace('randomness.seed=1', 'randomness.seed=9'))
-    monkeypatch.setattr(tool, 'train', lambda *args: pytest.fail('--report trained a run'))
-    monkeypatch.setattr(tool, 'evaluate_at_sizes', lambda *args: pytest.fail('--report tested a run'))
+    record_finished_run(tmp_path, args, 'rope', 1, 50.0, size=dict(sizes, **{'96': 51.0}))
+    (tmp_path / 'rope' / 'seed1' / RunStore.RECORD).write_text(  # recorded with other options: not this run
+        (tmp_path / 'rope' / 'seed1' / RunStore.RECORD).read_text().replace('randomness.seed=1', 'randomness.seed=9'))
+    from posattn_openmmlab.study.runs import StudyRunner
+    monkeypatch.setattr(StudyRunner, 'run', lambda *args: pytest.fail('--report trained or tested a run'))
     tool.main(argv)
 
     record = json.loads((tmp_path / 'comparison.json').read_text())
     assert [(run['row'], run['seed']) for run in record['runs']] == [('ape', seed) for seed in range(5)] + [
         ('peg', 0), ('peg', 1), ('peg', 2)]
-    assert [(line['row'], line['seeds'], line['top1']) for line in record['table']] == [
-        ('ape', [0, 1, 2, 3, 4], 80.0), ('peg', [0, 1, 2], 42.0)]
+    assert [(line['row'], line['seeds'], line['finals']) for line in record['table']] == [
+        ('ape', [0, 1, 2, 3, 4], [60.0, 70.0, 80.0, 90.0, 100.0]), ('peg', [0, 1, 2], [40.0, 42.0, 44.0])]
     table = (tmp_path / 'comparison.md').read_text()
     assert '| 80.0 ± 15.8 (5 seeds) |' in table and '| 42.0 ± 2.0 (3 seeds) |' in table
-    interval = tool.difference_interval([60.0, 70.0, 80.0, 90.0, 100.0], [40.0, 42.0, 44.0])
-    assert f'| {interval[0]:+.1f} [{interval[1]:+.1f}, {interval[2]:+.1f}] | apart |' in table
+    assert '| +38.0 | [' in table and '| apart |' in table
     printed = capsys.readouterr().out
     assert printed.count('no run with this config finished there: left out of the tables') == 1 + 5  # rope's
     assert 'not tested with --img-size at 32, 48, 64, 96, 128 px: left out of the tables' in printed
@@ -526,17 +421,18 @@ def test_report_with_no_finished_run_is_an_error_naming_the_work_dir(tmp_path):
 
 
 def test_an_unfinished_or_other_run_is_set_aside_not_mixed_into_the_new_one(tmp_path):
-    run_dir = tmp_path / 'seed0'
-    assert tool.set_aside(run_dir) is None  # nothing there yet
-    run_dir.mkdir()
-    assert tool.set_aside(run_dir) is None  # an empty folder stays
+    store = RunStore(tmp_path)
+    run_dir = store.run_dir('ape', 0)
+    assert store.set_aside('ape', 0) is None  # nothing there yet
+    run_dir.mkdir(parents=True)
+    assert store.set_aside('ape', 0) is None  # an empty folder stays
     (run_dir / '20260101_000000' / 'vis_data').mkdir(parents=True)
     (run_dir / '20260101_000000' / 'vis_data' / 'scalars.json').write_text('{"accuracy/top1": 50.0}\n')
     from posattn_openmmlab.work_dir_lock import WorkDirInUseError, WorkDirLock
     with WorkDirLock(str(run_dir)), pytest.raises(WorkDirInUseError, match='in use by another training'):
-        tool.set_aside(run_dir)  # a training still running there keeps its folder
+        store.set_aside('ape', 0)  # a training still running there keeps its folder
     assert run_dir.is_dir()
-    aside = tool.set_aside(run_dir)
+    aside = store.set_aside('ape', 0)
     assert not run_dir.exists() and aside.name.startswith('seed0.before-')
     assert (aside / '20260101_000000' / 'vis_data' / 'scalars.json').is_file()  # kept, not deleted
 
@@ -544,20 +440,20 @@ def test_an_unfinished_or_other_run_is_set_aside_not_mixed_into_the_new_one(tmp_
 def test_a_run_is_read_from_every_log_folder_in_order(tmp_path):
     """A resumed run has a log folder per start: top-1 per epoch and step times over both, in order."""
     with pytest.raises(FileNotFoundError, match='no mmengine scalars under'):
-        tool.read_run(tmp_path)
+        read_logged_run(tmp_path)
     logs = {'20260101_100000': [dict(lr=1e-3, loss=1.0, time=9.0, iter=1, step=1), {'accuracy/top1': 50.0, 'step': 1}],
             '20260101_120000': [dict(lr=1e-3, loss=0.5, time=0.3, iter=2, step=2),
                                 dict(lr=1e-3, loss=0.4, time=0.5, iter=3, step=3), {'accuracy/top1': 90.0, 'step': 2}]}
     for folder, rows in logs.items():
         (tmp_path / folder / 'vis_data').mkdir(parents=True)
         (tmp_path / folder / 'vis_data' / 'scalars.json').write_text(''.join(json.dumps(row) + '\n' for row in rows))
-    run = tool.read_run(tmp_path)
+    run = read_logged_run(tmp_path)
     assert run == dict(top1_per_epoch=[50.0, 90.0], logged_step_time_s=pytest.approx(0.4))  # the first window skipped
     (tmp_path / '20260101_120000' / 'vis_data' / 'scalars.json').unlink()
-    assert tool.read_run(tmp_path) == dict(top1_per_epoch=[50.0], logged_step_time_s=None)  # one window: warm-up
+    assert read_logged_run(tmp_path) == dict(top1_per_epoch=[50.0], logged_step_time_s=None)  # one window: warm-up
     (tmp_path / '20260101_100000' / 'vis_data' / 'scalars.json').write_text(json.dumps(logs['20260101_100000'][0]))
     with pytest.raises(ValueError, match='hold no validation top-1'):
-        tool.read_run(tmp_path)
+        read_logged_run(tmp_path)
 
 
 def build(row, options=None):
@@ -588,7 +484,7 @@ def test_each_fine_tune_builds_from_the_starting_checkpoint_and_refuses_to_start
             continue
         with pytest.raises(FileNotFoundError, match='model.backbone.backbone.init_cfg.checkpoint=PATH'):
             build(row)
-        model = build(row, tool.overrides(args, seed=0, row=row, starting_checkpoint=start)).state_dict()
+        model = build(row, run_options(row, 0, {}, starting_checkpoint=start)).state_dict()
         for key, value in trained.state_dict().items():  # the classifier's backbone.* sits under backbone.backbone.*
             assert torch.equal(model[key.replace('backbone.', 'backbone.backbone.', 1)], value), (name, key)
         assert any('.attn.phi.' in key for key in model) == (name != 'finetune_none'), name
@@ -673,10 +569,10 @@ def test_a_user_study_compares_two_phis_on_an_image_folder(tmp_path):
         assert len(run['top1_per_epoch']) == 2 and all(0 <= top1 <= 100 for top1 in run['top1_per_epoch'])
     assert record['figure'] == dict(dataset='CustomDataset (two_squares)', chance_top1=[50.0],
                                     step_time_axis='training step time (ms; batch 8, 64 x 64 px; CPU, 1 thread)')
-    assert [line['model'] for line in record['table']] == ['APE, 2 blocks', 'PPE (peripheral), 2 blocks']
+    assert [line['label'] for line in record['table']] == ['APE, 2 blocks', 'PPE (peripheral), 2 blocks']
     assert all(line['step_time_ms'] > 0 for line in record['table'])
     from mmengine.config import Config
-    trained = Config.fromfile(runs_dir / 'ape' / 'config.py')  # what tools/train.py trained: the user's data
+    trained = Config.fromfile(runs_dir / 'ape' / 'seed0' / 'config.py')  # what tools/train.py trained: the user's data
     assert trained.train_dataloader.dataset.type == 'CustomDataset' and trained.model.head.num_classes == 2
     assert trained.model.backbone.arch.num_layers == 2
     (mmengine_log,) = (runs_dir / 'ape' / 'seed1').glob('*/*.log')
@@ -727,18 +623,19 @@ def test_resolution_experiment_tests_each_run_at_every_size_once(tmp_path):
     command, result = small_run(tmp_path, '--experiment', 'resolution', '--rows', 'ape', 'rope')
     record = json.loads((tmp_path / 'comparison.json').read_text())
     for run in record['runs']:
-        assert list(run['top1_at_size']) == ['32', '48', '64', '96', '128']
-        assert all(0 <= top1 <= 100 for top1 in run['top1_at_size'].values())
+        assert list(run['top1_at']['size']) == ['32', '48', '64', '96', '128']
+        assert all(0 <= top1 <= 100 for top1 in run['top1_at']['size'].values())
         # at the training size the test split is the validation split: the same images, the same top-1
-        assert run['top1_at_size']['64'] == pytest.approx(run['top1_per_epoch'][-1])
+        assert run['top1_at']['size']['64'] == pytest.approx(run['top1_per_epoch'][-1])
         measured = tmp_path / run['row'] / 'seed0' / 'resolution' / 'top1_at_128.json'
         assert json.loads(measured.read_text())['img_size'] == [128, 128]
     assert '| APE (learned absolute embedding) | ' in (tmp_path / 'comparison.md').read_text().split('without fine-tuning')[1]
     assert (tmp_path / 'resolution.png').read_bytes()[:4] == b'\x89PNG'
 
     # again: neither trained nor tested again
-    log = (tmp_path / 'resolution.log').read_text()
+    measured = {path: path.stat().st_mtime_ns for path in tmp_path.glob('*/seed0/resolution/*.json')}
     again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.count('reusing') == 2 and (tmp_path / 'resolution.log').read_text() == log
+    assert again.stdout.count('reusing') == 2 and 'top-1 (--img-size)' not in again.stdout
+    assert {path: path.stat().st_mtime_ns for path in tmp_path.glob('*/seed0/resolution/*.json')} == measured
     assert json.loads((tmp_path / 'comparison.json').read_text())['runs'] == record['runs']

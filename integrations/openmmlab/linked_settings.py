@@ -16,12 +16,15 @@ from mmengine.config import Config
 
 from .config_checks import option_key_problems
 
-__all__ = ['LINKED_KEYS', 'TOOL_KEYS', 'config_value', 'has_key', 'merge_options', 'linked_key_problems']
+__all__ = ['LINKED_KEYS', 'TOOL_KEYS', 'RUN_LENGTHS', 'config_value', 'has_key', 'merge_options',
+           'linked_key_problems']
 
 LINKED_KEYS = 'linked_keys'
 # Top-level keys that the tools read besides the runner's: the linked keys above, and the data's name
 # in a study's figures.
 TOOL_KEYS = (LINKED_KEYS, 'dataset_name')
+# The keys of a run's length, in epochs or iterations, which the schedulers that end with the run follow.
+RUN_LENGTHS = ('train_cfg.max_epochs', 'train_cfg.max_iters')
 
 
 def config_value(cfg: Config, key: str) -> Any:
@@ -54,6 +57,8 @@ def merge_options(cfg: Config, options: Optional[Mapping[str, Any]]) -> None:
     ``model.head.num_classes`` and ``data_preprocessor.num_classes`` too. A ValueError, before
     anything is changed, names each key that nothing would read (a misspelt one: ``phii=rope``),
     with the nearest key that something does (:func:`posattn_openmmlab.config_checks.option_key_problems`).
+    A new length of the run (``train_cfg.max_epochs``, ``train_cfg.max_iters``) moves the end of each
+    parameter scheduler that ended with the run, unless the overrides set those ends themselves.
     Then checks that every linked key holds its setting's value (:func:`linked_key_problems`); a
     ValueError names those that do not, and the setting to give instead."""
     options = copy.deepcopy(dict(options or {}))  # merging takes _delete_ out of the dicts it merges
@@ -61,7 +66,10 @@ def merge_options(cfg: Config, options: Optional[Mapping[str, Any]]) -> None:
     if unread:
         raise ValueError(f'{cfg.filename}: nothing reads these keys of the overrides, so a run would ignore them '
                          f'(a misspelt key?):\n  ' + '\n  '.join(unread))
+    lengths = {key: _run_length(cfg, key) for key in RUN_LENGTHS if key in options}
     cfg.merge_from_dict(options)
+    for key, length in lengths.items():
+        _schedules_end_with_the_run(cfg, key, length, options)
     linked = cfg.get(LINKED_KEYS) or {}
     for setting in [key for key in options if key in linked]:
         cfg.merge_from_dict({key: cfg[setting] for key in linked[setting]})
@@ -88,3 +96,21 @@ def linked_key_problems(cfg: Config) -> List[str]:
                 problems.append(f'{key} is {value!r}, but {setting} is {cfg[setting]!r}: change {setting}, which '
                                 f'sets {key} too (--cfg-options {setting}={value!r})')
     return problems
+
+
+def _run_length(cfg: Config, key: str) -> Optional[Any]:
+    try:
+        return config_value(cfg, key)
+    except KeyError:
+        return None
+
+
+def _schedules_end_with_the_run(cfg: Config, key: str, length: Optional[Any], options: Mapping[str, Any]) -> None:
+    """Each parameter scheduler that ended with the run (its ``end`` was the run's ``length`` before
+    ``options`` changed ``key``) ends with it again, unless ``options`` set its end."""
+    schedulers = cfg.get('param_scheduler')
+    schedulers = [schedulers] if isinstance(schedulers, Mapping) else list(schedulers or ())
+    for index, scheduler in enumerate(schedulers):
+        if (length is not None and isinstance(scheduler, Mapping) and scheduler.get('end') == length
+                and f'param_scheduler.{index}.end' not in options):
+            scheduler['end'] = config_value(cfg, key)

@@ -1,7 +1,9 @@
-"""The training-step timing of tools/compare_phis.py: one training step of each row's model (forward,
-backward and the step of its config's optimizer) on random images at its training batch and input
-size, on the CPU with one thread; the rows take turns after a few warm-up steps each, and each row's
-time is the median of its steps, so that another job on the machine costs each row alike."""
+"""A study's training-step timing: one training step of each row's model (forward, backward and the
+step of its config's optimizer) on random images at its training batch and input size, on the CPU
+with one thread; the rows take turns after a few warm-up steps each, and each row's time is the
+median of its steps, so that another job on the machine costs each row alike."""
+from __future__ import annotations
+
 import copy
 import functools
 import json
@@ -10,9 +12,11 @@ import statistics
 import time
 from typing import Dict, Optional
 
-from _study import build_model
 from mmengine.config import Config
 from mmengine.registry import init_default_scope
+
+__all__ = ['build_model', 'count_parameters', 'time_training_steps', 'training_step', 'step_timing_note',
+           'WARMUP_STEPS']
 
 WARMUP_STEPS = 2  # untimed steps per row first: allocation, the optimizer's state
 
@@ -91,3 +95,19 @@ def batch_and_size(timing: dict) -> list:
     """The batches and input sizes the rows were timed at, each once: ['batch 64, 64 x 64 px']."""
     return list(dict.fromkeys(f'batch {row["batch_size"]}, {row["input_size"][0]} x {row["input_size"][1]} px'
                               for row in timing.values()))
+
+
+def build_model(cfg: Config):
+    """The model of ``cfg`` (with its data preprocessor, as mmengine's runner builds it), not initialised."""
+    from mmpretrain.registry import MODELS
+    from ..checkpoint import posattn_checkpoint_loading
+    init_default_scope(cfg.get('default_scope', 'mmpretrain'))
+    model_cfg = copy.deepcopy(cfg.model)
+    if cfg.get('data_preprocessor') is not None:
+        model_cfg.setdefault('data_preprocessor', cfg.data_preprocessor)
+    with posattn_checkpoint_loading():  # a swap row starts from a checkpoint of our own training
+        return MODELS.build(model_cfg)
+
+
+def count_parameters(cfg: Config) -> int:
+    return sum(param.numel() for param in build_model(cfg).parameters())
