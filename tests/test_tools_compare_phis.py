@@ -597,7 +597,7 @@ def test_swap_experiment_fine_tunes_from_its_own_starting_run(tmp_path):
 
 @pytest.mark.slow
 def test_ablations_experiment_measures_the_attention_of_each_run(tmp_path):
-    assert tool.parse_args(['--experiment', 'ablations']).work_dir == 'work_dirs/compare_phis/ablations'
+    assert tool.parse_args(['--experiment', 'ablations']).work_dir == Path('work_dirs/compare_phis/ablations')
     small_run(tmp_path, '--experiment', 'ablations', '--rows', 'b', 'c')
     record = json.loads((tmp_path / 'comparison.json').read_text())
     without_phi, without_content = record['runs']
