@@ -10,8 +10,6 @@ check passes. :func:`warn_if_unreached` says so once per model, naming the layer
 from __future__ import annotations
 
 import warnings
-from typing import Sequence, Tuple
-
 from torch import nn
 
 __all__ = ['UnreachedPhiWarning', 'warn_if_unreached']
@@ -21,18 +19,13 @@ class UnreachedPhiWarning(UserWarning):
     """A Φp with parameters that no gradient reaches in the model as built (module docstring)."""
 
 
-def warn_if_unreached(model: nn.Module, layers: Sequence[Tuple[str, nn.Module]], fix: str,
-                      stacklevel: int = 3) -> None:
-    """One :class:`UnreachedPhiWarning` where ``model`` classifies from its class token and the Φp
-    of its last attention layer (``layers``: (path, layer with a ``phi``), in depth order) has
-    trainable parameters and does not reach prefix-token queries. ``fix``: what to do, in words."""
-    if getattr(model, 'global_pool', None) != 'token' or not layers:
-        return
-    path, layer = layers[-1]
+def warn_if_unreached(path: str, layer: nn.Module, readout: str, fix: str, stacklevel: int = 3) -> None:
+    """One :class:`UnreachedPhiWarning` where the Φp of ``layer`` (at ``path``), the last attention
+    layer of a model whose output then reads its prefix tokens alone (``readout``: how, in words),
+    has trainable parameters and does not reach prefix-token queries; ``fix``: what to do, in words."""
     phi = layer.phi
     if phi.reaches_prefix_queries or not any(param.requires_grad for param in phi.parameters()):
         return
-    warnings.warn(f'{path}.phi ({phi.phi_name}) gets no gradient: the model classifies from its class token '
-                  "(global_pool='token'), and in the last attention layer this Φp changes only what the grid tokens' "
-                  'queries see, which reach no output (weight decay still moves its parameters). '
-                  f'Pool the tokens to train it, {fix}', UnreachedPhiWarning, stacklevel=stacklevel)
+    warnings.warn(f'{path}.phi ({phi.phi_name}) gets no gradient: {readout}, and in the last attention layer this '
+                  "Φp changes only what the grid tokens' queries see, which reach no output (weight decay still "
+                  f'moves its parameters). {fix}', UnreachedPhiWarning, stacklevel=stacklevel)

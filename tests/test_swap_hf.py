@@ -6,6 +6,7 @@ input size the model takes, every Φp trains, and what the swapped layer cannot 
 wrong answer."""
 import copy
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -181,24 +182,45 @@ def test_save_pretrained_and_back(tmp_path, phi, options):
                                    rtol=0, atol=0)
 
 
-def test_a_folder_of_pytorch_model_bin_loads_and_the_load_report_names_no_phi_key(tmp_path, capsys):
-    """A folder of pickled weights (older transformers' save_pretrained) loads weights-only; the Φp
-    keys, which posattn loads, are not reported as unexpected by transformers."""
+@pytest.mark.parametrize('name,phi', [('vit', 'peripheral'), ('swin', 'own')])
+def test_transformers_load_report_lists_no_phi_key(tmp_path, capfd, name, phi):
+    """transformers loads the weights of the model before the swap: its report (and the loading info
+    it returns) lists no Φp key as unexpected, and no key of the model's own that a converted Φp
+    holds ('own': Swin's tables) as missing; every saved weight is back."""
     from posattn.swap import from_pretrained
-    model = swap_attention(randomised(MODELS['vit'][0]()), phi='peripheral')
+    model = swap_attention(randomised(MODELS[name][0]()), phi=phi)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if '.phi.' in param_name:
+                param.normal_()
     model.save_pretrained(tmp_path)
+    capfd.readouterr()
+    loaded, info = from_pretrained(type(model), tmp_path, output_loading_info=True)
+    assert not info['unexpected_keys'] and not info['missing_keys'] and not info['mismatched_keys'], info
+    assert 'UNEXPECTED' not in capfd.readouterr().err and loaded.config.name_or_path == str(tmp_path)
+    for key, tensor in model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[key], tensor, rtol=0, atol=0, msg=key)
+
+
+def test_pytorch_weights_load_and_a_folder_without_weights_is_named(tmp_path):
+    """A folder whose weights are a PyTorch file (pytorch_model.bin, as older transformers wrote them)
+    loads as one of safetensors does, read weights-only; one with neither names what it holds and needs."""
+    from posattn.swap import from_pretrained
+    from safetensors.torch import load_file
+    model = swap_attention(randomised(MODELS['vit'][0]()), phi='rpb', table_size=(3, 3))
+    with torch.no_grad():
+        model.vit.layers[1].attention.phi.relative_position_bias_table.normal_()
+    model.save_pretrained(tmp_path)
+    torch.save(load_file(str(tmp_path / 'model.safetensors')), tmp_path / 'pytorch_model.bin')
     (tmp_path / 'model.safetensors').unlink()
-    torch.save(model.state_dict(), tmp_path / 'pytorch_model.bin')
-    transformers.logging.set_verbosity_warning()
     loaded = from_pretrained(transformers.ViTForImageClassification, tmp_path)
-    report = capsys.readouterr().err
-    assert 'LOAD REPORT' not in report and '.phi.' not in report
-    for name, tensor in model.state_dict().items():
-        torch.testing.assert_close(loaded.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
-    (tmp_path / 'pytorch_model.bin').unlink()
-    with pytest.raises(FileNotFoundError, match=r'holds no weights that save_pretrained writes: it has config.json, '
-                                                r'and from_pretrained reads model.safetensors \(or '
-                                                r'model.safetensors.index.json and its shards\), pytorch_model.bin'):
+    for key, tensor in model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[key], tensor, rtol=0, atol=0, msg=key)
+    (tmp_path / 'pytorch_model.bin').rename(tmp_path / 'weights.pt')
+    with pytest.raises(FileNotFoundError, match=rf'^{re.escape(str(tmp_path))} holds no weights save_pretrained writes \(one of '
+                                                r'model\.safetensors, model\.safetensors\.index\.json, '
+                                                r'pytorch_model\.bin, pytorch_model\.bin\.index\.json\); it '
+                                                r'holds: config\.json, weights\.pt$'):
         from_pretrained(transformers.ViTForImageClassification, tmp_path)
 
 

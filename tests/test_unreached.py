@@ -68,10 +68,22 @@ def test_pooling_the_tokens_or_leaving_the_last_block_out_says_nothing():
 
 def test_a_swap_into_a_class_token_timm_vit_says_it_once():
     model = timm.create_model('vit_tiny_patch16_224', pretrained=False, depth=2, img_size=32)
-    with pytest.warns(posattn.UnreachedPhiWarning, match=r"blocks\.1\.attn\.phi \(peripheral\) gets no gradient.*"
-                                                         r"model\.reset_classifier\(num_classes, global_pool='avg'\)"):
+    with pytest.warns(posattn.UnreachedPhiWarning, match=r"blocks\.1\.attn\.phi \(peripheral\) gets no gradient: its "
+                                                         r"head classifies the class token alone.*Pool the grid tokens "
+                                                         r"to train it \(timm\.create_model\(\.\.\., "
+                                                         r"global_pool='avg'\)"):
         posattn.swap_attention(model, phi='peripheral')
     pooled = timm.create_model('vit_tiny_patch16_224', pretrained=False, depth=2, img_size=32, global_pool='avg')
     with warnings.catch_warnings():
         warnings.simplefilter('error', posattn.UnreachedPhiWarning)
         posattn.swap_attention(pooled, phi='peripheral')
+
+
+def test_a_swap_into_torchvisions_vit_which_always_reads_its_class_token_says_it():
+    import torchvision
+    model = torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32,
+                                                 mlp_dim=64)
+    with pytest.warns(posattn.UnreachedPhiWarning, match=r"encoder\.layers\.encoder_layer_1\.self_attention\.phi "
+                                                         r"\(gpsa\) gets no gradient: its head classifies the class "
+                                                         r"token alone .*Freeze it"):
+        posattn.swap_attention(model, phi='gpsa')

@@ -95,8 +95,11 @@ def create_model(name: str, checkpoint: Optional[Union[str, os.PathLike]] = None
     model = builder(**kwargs)
     if contents is not None:
         _load_read_checkpoint(model, contents, os.fspath(checkpoint), target=name)
-    warn_if_unreached(model, [(path, module) for path, module in model.named_modules() if isinstance(module, Attention)],
-                      "global_pool='avg'; or give that block no Φp, phi_blocks=range(depth - 1)")
+    layers = [(path, module) for path, module in model.named_modules() if isinstance(module, Attention)]
+    if layers and getattr(model, 'global_pool', None) == 'token':
+        warn_if_unreached(*layers[-1], "the model classifies from its class token (global_pool='token')",
+                          "Pool the tokens to train it, global_pool='avg'; or give that block no Φp, "
+                          'phi_blocks=range(depth - 1)')
     return model
 
 

@@ -60,6 +60,11 @@ class PositionalModule(ConversionNotified, RecordedInStateDict):
         call_inputs: names of what its hooks read that it does not own (a model's shared embedding,
             a bias the model computes once for all layers), given with each call of the layer as
             keyword arguments and passed on to each declared hook.
+        reaches_prefix_queries: whether what it contributes can change the output of a prefix-token
+            query (a class token's); False for a bias zero, or constant along, every prefix row, and a
+            mixture that leaves prefix rows as they are. Where a model reads only its prefix tokens
+            after its last layer, that layer's Φp gets a gradient only if this holds
+            (:mod:`posattn.unreached`).
 
     The hooks are called by name, not through ``forward``: module forward hooks never run on a Φp
     (tools that hook every module, such as FLOP counters, may register them), and
@@ -76,8 +81,9 @@ class PositionalModule(ConversionNotified, RecordedInStateDict):
     record_key = RECORD_KEY
 
     def __init__(self, hooks: Optional[Iterable[str]] = None, *, bias_per_image: bool = False,
-                 call_inputs: Iterable[str] = ()):
+                 call_inputs: Iterable[str] = (), reaches_prefix_queries: bool = True):
         super().__init__()
+        self.reaches_prefix_queries = bool(reaches_prefix_queries)
         self.hooks: Optional[FrozenSet[str]] = None if hooks is None else self._checked_hooks(hooks)
         if not isinstance(bias_per_image, bool):
             raise TypeError(f'bias_per_image must be True or False, got {bias_per_image!r}')
@@ -133,14 +139,6 @@ class PositionalModule(ConversionNotified, RecordedInStateDict):
     def mixes_probabilities(self) -> bool:
         """Whether this Φp declared a mixture of the attention probabilities."""
         return self.contributes('mix_probabilities')
-
-    @property
-    def reaches_prefix_queries(self) -> bool:
-        """Whether what this Φp contributes can change the output of a prefix-token query (a class
-        token's): where a model reads only those, the Φp of its last layer gets a gradient only if
-        it does. True unless a Φp states otherwise (a bias zero, or constant along, every prefix row;
-        a mixture that leaves prefix rows as they are)."""
-        return True
 
     @property
     def needs_probabilities(self) -> bool:

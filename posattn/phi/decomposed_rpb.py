@@ -64,7 +64,8 @@ class DecomposedRelativePositionBias(PositionalModule):
     """
 
     def __init__(self, head_dim: int, table_size: Sequence[int] = (14, 14), num_prefix_tokens: int = 0):
-        super().__init__(hooks=('logits_bias',), bias_per_image=True)  # the bias reads the queries
+        super().__init__(hooks=('logits_bias',), bias_per_image=True,  # the bias reads the queries
+                         reaches_prefix_queries=False)  # pairs that involve a prefix token get no bias
         head_dim = checked_count(head_dim, 'decomposed_rpb', 'head_dim')
         num_prefix_tokens = checked_prefix_tokens(num_prefix_tokens, 'decomposed_rpb')
         height, width = checked_table_size(table_size, 'decomposed_rpb')
@@ -127,10 +128,6 @@ class DecomposedRelativePositionBias(PositionalModule):
         col_terms = (queries @ along_cols.t().to(q.dtype)).gather(-1, col_ids)  # (B, heads, H, W, W): key column
         bias = (row_terms[..., :, None] + col_terms[..., None, :]).flatten(4).flatten(2, 3)  # (B, heads, HW, HW)
         return grid.pad_prefix(bias).to(q.dtype)
-
-    @property
-    def reaches_prefix_queries(self) -> bool:
-        return False  # pairs that involve a prefix token get no bias
 
     def settings(self) -> Dict[str, Any]:
         return {'head_dim': self.head_dim, 'table_size': self.table_size, 'num_prefix_tokens': self.num_prefix_tokens}

@@ -87,7 +87,7 @@ class GatedPositionalAttention(PositionalModule):
 
     def __init__(self, num_heads: int, locality_strength: float = 1.0, local_init: bool = True,
                  num_prefix_tokens: int = 0):
-        super().__init__(hooks=('mix_probabilities',))
+        super().__init__(hooks=('mix_probabilities',), reaches_prefix_queries=False)  # a prefix query attends by content
         num_heads = checked_count(num_heads, 'gpsa', 'num_heads')
         if isinstance(locality_strength, bool) or not isinstance(locality_strength, (int, float)) or not (
                 math.isfinite(locality_strength) and locality_strength > 0):
@@ -175,10 +175,6 @@ class GatedPositionalAttention(PositionalModule):
             return mixed
         total = mixed.sum(-1, keepdim=True)  # < 1 where masking left a grid query no grid key
         return mixed / total.masked_fill(total == 0, 1.0)
-
-    @property
-    def reaches_prefix_queries(self) -> bool:
-        return False  # a prefix query attends by content alone
 
     def settings(self) -> Dict[str, Any]:
         # locality_strength and local_init only initialise pos_proj

@@ -136,7 +136,9 @@ class IRPE(PositionalModule):
         # a table on q or k gives a logits bias (read by the tokens in ctx mode), one on v a value term
         on_logits = isinstance(on, str) and ('q' in on or 'k' in on)
         super().__init__(hooks=['logits_bias'] * on_logits + ['value_term'] * (isinstance(on, str) and 'v' in on),
-                         bias_per_image=mode == 'ctx' and on_logits)
+                         bias_per_image=mode == 'ctx' and on_logits,
+                         # on k alone, a prefix query's bias is one bucket's along its row: the softmax cancels it
+                         reaches_prefix_queries=isinstance(on, str) and ('q' in on or 'v' in on))
         if method not in METHODS:
             raise ValueError(f'unknown iRPE method {method!r}; choose one of {", ".join(METHODS)}')
         if mode not in MODES:
@@ -267,11 +269,6 @@ class IRPE(PositionalModule):
                         f'({self.num_buckets} buckets)')
             for name, param in module.named_parameters():
                 param.copy_(named[name])
-
-    @property
-    def reaches_prefix_queries(self) -> bool:
-        # on k, a prefix query's bias is one bucket's along its row, which the softmax cancels
-        return 'q' in self.on or 'v' in self.on
 
     def settings(self) -> Dict[str, Any]:
         return {'num_heads': self.num_heads, 'head_dim': self.head_dim, 'method': self.method, 'mode': self.mode,

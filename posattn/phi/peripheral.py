@@ -179,7 +179,8 @@ class PeripheralPhi(PositionalModule):
     def __init__(self, num_heads: int, layer_index: int = 0, num_layers: int = 1,
                  shared_embedding: bool = False, init: str = 'peripheral',
                  embedding: str = 'euc', neighbourhood: bool = True, multi_layer: bool = True):
-        super().__init__(hooks=('logits_bias',), call_inputs=('distance_embedding',) if shared_embedding else ())
+        super().__init__(hooks=('logits_bias',), call_inputs=('distance_embedding',) if shared_embedding else (),
+                         reaches_prefix_queries=False)  # pairs that involve a prefix token get no bias
         if init not in PHI_INITS:
             raise ValueError(f'unknown Φp initialisation {init!r}; choose one of {sorted(PHI_INITS)}')
         if embedding not in EMBEDDINGS:
@@ -278,10 +279,6 @@ class PeripheralPhi(PositionalModule):
         parameters' device; the logits bias (:meth:`logits_bias`, served by :func:`posattn.cache_positions`)."""
         bias = grid.pad_prefix(self.log_position_attention(grid.height, grid.width, distance_embedding))
         return bias.to(dtype).unsqueeze(0)  # (1, heads, N, N)
-
-    @property
-    def reaches_prefix_queries(self) -> bool:
-        return False  # pairs that involve a prefix token get no bias
 
     def settings(self) -> Dict[str, Any]:
         # init and the layer's place only initialise the weights

@@ -98,11 +98,12 @@ class RelativePositionBias(PositionalModule):
 
     def __init__(self, num_heads: int, table_size: Sequence[int] = (14, 14), prefix_entries: bool = True,
                  num_prefix_tokens: int = 0):
-        super().__init__(hooks=('logits_bias',))
-        num_heads = checked_count(num_heads, 'rpb', 'num_heads')
         num_prefix_tokens = checked_prefix_tokens(num_prefix_tokens, 'rpb')
         if not isinstance(prefix_entries, bool):
             raise ValueError(f'rpb prefix_entries must be True or False, got {prefix_entries!r}')
+        # its prefix entries bias prefix pairs; without them prefix pairs get no bias
+        super().__init__(hooks=('logits_bias',), reaches_prefix_queries=prefix_entries and num_prefix_tokens > 0)
+        num_heads = checked_count(num_heads, 'rpb', 'num_heads')
         self.num_heads = int(num_heads)
         self.table_size = checked_table_size(table_size)
         self.prefix_entries = prefix_entries
@@ -169,10 +170,6 @@ class RelativePositionBias(PositionalModule):
         else:
             bias = grid.pad_prefix(per_offset[:, relative_position_index(grid.height, grid.width, 0, device)])
         return bias.unsqueeze(0).to(dtype or bias.dtype)
-
-    @property
-    def reaches_prefix_queries(self) -> bool:
-        return self.num_extra_entries > 0  # the prefix entries; else prefix pairs get no bias
 
     def settings(self) -> Dict[str, Any]:
         return {'num_heads': self.num_heads, 'table_size': self.table_size, 'prefix_entries': self.prefix_entries,

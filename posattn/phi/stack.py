@@ -46,7 +46,8 @@ class PhiStack(PositionalModule):
         hooks = frozenset().union(*(member.declared_hooks() for member in members))
         super().__init__(hooks=hooks, bias_per_image=any(
             member.bias_per_image and member.gives_logits_bias for member in members),
-            call_inputs=[name for member in members for name in member.call_inputs])
+            call_inputs=[name for member in members for name in member.call_inputs],
+            reaches_prefix_queries=any(member.reaches_prefix_queries for member in members))
         for index, member in enumerate(members):
             self.add_module(str(index), member)
 
@@ -88,10 +89,6 @@ class PhiStack(PositionalModule):
         """The parts of the first member that mixes a positional attention in, or None."""
         return next((parts for parts in (member.mixture_parts(grid) for member in self.members)
                      if parts is not None), None)
-
-    @property
-    def reaches_prefix_queries(self) -> bool:
-        return any(member.reaches_prefix_queries for member in self.members)
 
     @property
     def phi_name(self) -> str:

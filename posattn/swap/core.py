@@ -95,6 +95,10 @@ class SwapPlan:
             (B, C, H, W): ``patch_grid(module, args, kwargs, output)`` returns (H, W), or an
             :class:`~posattn.layout.ImageLayout` for a batch whose images each have their own grid
             (timm's NaFlexViT).
+        prefix_readout: where the model's output reads its prefix tokens alone after the last site (a
+            classifier of the class token): how it does, and how the model pools the grid tokens instead
+            ('' where it cannot), the words of the :class:`~posattn.UnreachedPhiWarning` that names the
+            last site's Φp where it gets no gradient; None where the output reads the grid tokens too.
     """
     family: str
     sites: List[AttentionSite]
@@ -107,6 +111,7 @@ class SwapPlan:
     installed: Optional[Callable[[AttentionSite, 'SwappedAttention'], None]] = None
     fixed_positions: Optional[str] = None
     patch_grid: Optional[PatchGrid] = None
+    prefix_readout: Optional[Tuple[str, str]] = None
 
 
 def packs_self_attention(mha: nn.MultiheadAttention) -> bool:
@@ -147,8 +152,10 @@ class SwappedAttention(Attention):
     def replacing(cls, old: nn.Module, phi: PositionalModule, site: AttentionSite) -> 'SwappedAttention':
         with torch.device('meta'):  # the layer's own projections are replaced by the old module's
             layer = cls(site.dim, site.num_heads, phi=phi, num_prefix_tokens=site.num_prefix_tokens)
+        in_phi = {id(param) for param in phi.parameters()}
+        placeholders = [param for param in layer.parameters() if id(param) not in in_phi]  # held: ids stay unique
         layer.take_over(old)
-        left = [name for name, tensor in layer.named_parameters() if tensor.is_meta]
+        left = [name for name, tensor in layer.named_parameters() if any(tensor is p for p in placeholders)]
         if left:
             raise RuntimeError(f'{cls.__name__} did not take over {", ".join(left)} from {described(old)}')
         return layer.train(old.training)
@@ -428,14 +435,19 @@ def swap_attention(model: nn.Module, phi: PhiSpec = 'peripheral', *, own_positio
     if added:
         warnings.warn(_added_parameters_message(model, ' + '.join(names), added, len(layers)), AddedParametersWarning,
                       stacklevel=2)
-    warn_if_unreached(model, [(path, module) for path, module in model.named_modules()
-                              if isinstance(module, SwappedAttention)], UNREACHED_FIX)
+    paths = {id(module): path for path, module in model.named_modules()}
+    for plan in plans:  # each swapped model whose output reads its prefix tokens alone after its last site
+        if plan.prefix_readout is not None and plan.sites:
+            readout, pooling = plan.prefix_readout
+            last = plan.sites[-1]
+            warn_if_unreached(paths[id(last.parent)] + ('.' if paths[id(last.parent)] else '') + last.name,
+                              getattr(last.parent, last.name), readout,
+                              f'Pool the grid tokens to train it ({pooling}).' if pooling else
+                              'Freeze it (requires_grad_(False)) so that no optimiser moves it.')
     return model
 
 
 SWAP_RECORD = 'posattn_swap'  # the attribute of a transformers config that records the swap
-UNREACHED_FIX = ("in timm global_pool='avg' when the model is created, or "
-                 "model.reset_classifier(num_classes, global_pool='avg') before the swap")
 
 
 def _record_swap(model: nn.Module, phi: PhiSpec, phi_cfg: Mapping[str, Any], own_positions: bool) -> None:

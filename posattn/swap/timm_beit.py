@@ -22,6 +22,7 @@ from ..phi.rpb import NUM_PREFIX_ENTRIES, num_offsets, relative_position_index
 from .core import AttentionSite, SwapPlan, described, imported, register_family
 from .given import GivenBias
 from .qkv_biases import SeparateBiasQkv
+from .timm_vit import class_token_readout
 from .window_tables import RELATIVE_POSITION_BIAS, resize_table, table_phi
 
 _BEIT = 'timm.models.beit'
@@ -99,7 +100,8 @@ def timm_beit(model: nn.Module) -> Optional[SwapPlan]:
     shared = list(model.rel_pos_bias.parameters()) if model.rel_pos_bias is not None else []
     own_phi = _own_phi(model.rel_pos_bias) if any(t is not None for t in tables) or shared else None
     return SwapPlan('timm Beit', sites, BeitAttention, model.patch_embed.proj, [model.pos_embed], tables + shared,
-                    own_phi, kept_phi=functools.partial(_kept_phi, model.rel_pos_bias is not None))
+                    own_phi, kept_phi=functools.partial(_kept_phi, model.rel_pos_bias is not None),
+                    prefix_readout=class_token_readout(model))
 
 
 def _own_phi(shared: Optional[nn.Module]) -> Callable[[AttentionSite, int], PositionalModule]:

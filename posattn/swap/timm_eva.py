@@ -29,7 +29,7 @@ from ..phi.rope import RotaryPositionEmbedding
 from .core import AttentionSite, SwapPlan, described, imported, register_family
 from .given import GivenRotation
 from .qkv_biases import SeparateBiasQkv
-from .timm_vit import NormGateOutput, refuse_attention_mask
+from .timm_vit import NormGateOutput, class_token_readout, refuse_attention_mask
 
 _EVA = 'timm.models.eva'
 
@@ -79,7 +79,7 @@ def timm_eva(model: nn.Module) -> Optional[SwapPlan]:
     kept_phi = functools.partial(_kept_rope, model.rope is not None)
     learned_rope = list(model.rope.parameters()) if model.rope is not None else []  # RoPE-Mixed's frequencies
     return SwapPlan('timm Eva', sites, EvaAttention, model.patch_embed.proj, [model.pos_embed], learned_rope,
-                    own_phi=own_phi, kept_phi=kept_phi)
+                    own_phi=own_phi, kept_phi=kept_phi, prefix_readout=class_token_readout(model))
 
 
 def _kept_rope(has_rope: bool, site: AttentionSite, index: int) -> List[PositionalModule]:

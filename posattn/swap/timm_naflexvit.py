@@ -13,7 +13,7 @@ from torch import nn
 
 from ..layout import ImageLayout
 from .core import SwapPlan, check_padding_mask, imported, register_family
-from .timm_vit import TimmAttention, refuse_attention_mask, timm_attention_sites
+from .timm_vit import TimmAttention, class_token_readout, refuse_attention_mask, timm_attention_sites
 
 __all__ = ['NaFlexAttention', 'naflex_grid']
 
@@ -53,4 +53,4 @@ def timm_naflexvit(model: nn.Module) -> Optional[SwapPlan]:
     embeds = model.embeds
     positions = [getattr(embeds, name, None) for name in ('pos_embed', 'pos_embed_y', 'pos_embed_x')]
     return SwapPlan('timm NaFlexVit', sites, NaFlexAttention, embeds, [p for p in positions if p is not None],
-                    patch_grid=naflex_grid)
+                    patch_grid=naflex_grid, prefix_readout=class_token_readout(model))

@@ -13,6 +13,7 @@ from torch import nn
 
 from .core import AttentionSite, SwapPlan, SwappedAttention, described, imported, register_family
 from .given import GivenBias
+from .timm_vit import class_token_readout
 
 _RELPOS = 'timm.models.vision_transformer_relpos'
 
@@ -51,4 +52,5 @@ def timm_vision_transformer_relpos(model: nn.Module) -> Optional[SwapPlan]:
     relative = model.shared_rel_pos is not None or any(site.module.rel_pos is not None for site in sites)
     return SwapPlan('timm VisionTransformerRelPos', sites, RelPosAttention, model.patch_embed.proj,
                     position_parameters=position_parameters,
-                    kept_phi=lambda site, index: [GivenBias('rel_pos_bias')] if relative else [])
+                    kept_phi=lambda site, index: [GivenBias('rel_pos_bias')] if relative else [],
+                    prefix_readout=class_token_readout(model))

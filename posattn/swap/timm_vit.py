@@ -3,14 +3,14 @@
 any number of prefix tokens (class, distillation, registers). State-dict names stay timm's."""
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from .core import AttentionSite, SwapPlan, SwappedAttention, described, imported, register_family
 
-__all__ = ['TimmAttention', 'NormGateOutput', 'refuse_attention_mask', 'timm_attention_sites']
+__all__ = ['TimmAttention', 'NormGateOutput', 'refuse_attention_mask', 'timm_attention_sites', 'class_token_readout']
 
 
 def refuse_attention_mask(attn_mask: Optional[torch.Tensor], is_causal: bool) -> None:
@@ -47,7 +47,17 @@ def timm_vision_transformer(model: nn.Module) -> Optional[SwapPlan]:
         return None
     sites = timm_attention_sites(model, 'VisionTransformer', not isinstance(model.patch_drop, nn.Identity),
                                  "timm's standard Block only")
-    return SwapPlan('timm VisionTransformer', sites, TimmAttention, model.patch_embed.proj, [model.pos_embed])
+    return SwapPlan('timm VisionTransformer', sites, TimmAttention, model.patch_embed.proj, [model.pos_embed],
+                    prefix_readout=class_token_readout(model))
+
+
+def class_token_readout(model: nn.Module) -> Optional[Tuple[str, str]]:
+    """A timm ViT's :attr:`SwapPlan.prefix_readout`: with ``global_pool='token'`` its head reads the class
+    token alone (timm's ``x[:, 0]``); None for the other poolings, which read the grid tokens."""
+    if model.global_pool != 'token':
+        return None
+    return ("its head classifies the class token alone (global_pool='token')",
+            "timm.create_model(..., global_pool='avg'), or model.reset_classifier(num_classes, 'avg')")
 
 
 def timm_attention_sites(model: nn.Module, name: str, drops_tokens: bool, replaced: str) -> List[AttentionSite]:

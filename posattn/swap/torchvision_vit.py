@@ -45,4 +45,6 @@ def torchvision_vision_transformer(model: nn.Module) -> Optional[SwapPlan]:
                             'batch-first self-attention with packed, biased q/k/v projections')
         sites.append(AttentionSite(block, 'self_attention', attn.embed_dim, attn.num_heads, 1))
     return SwapPlan('torchvision VisionTransformer', sites, TorchvisionAttention, model.conv_proj,
-                    [model.encoder.pos_embedding])
+                    [model.encoder.pos_embedding],
+                    prefix_readout=("its head classifies the class token alone (torchvision's VisionTransformer "
+                                    'always does)', ''))
