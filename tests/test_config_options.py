@@ -18,7 +18,9 @@ import analyze as analyze_tool  # noqa: E402  (tools/, on the path from conftest
 import compare_phis  # noqa: E402
 import train as train_tool  # noqa: E402
 from _common import load_config  # noqa: E402
-from _study import with_options  # noqa: E402
+import posattn_openmmlab.study.runs as runs_module  # noqa: E402
+from posattn_openmmlab.study.runs import StudyRunner  # noqa: E402
+from posattn_openmmlab.study.spec import with_options  # noqa: E402
 from mmengine.config import Config  # noqa: E402
 
 CONFIGS = REPO / 'configs'
@@ -206,16 +208,19 @@ def test_a_rows_misspelt_option_stops_the_study_before_any_row_trains(tmp_path, 
     (tmp_path / 'study.py').write_text(
         "rows = [dict(name='peripheral', config='your_data/deit_t_image_folder.py'),\n"
         "        dict(name='rope', config='your_data/deit_t_image_folder.py', options=dict(phii='rope'))]\n")
+    (tmp_path / 'data' / 'mydata').mkdir(parents=True)  # the configs' data_root, read from here
+    monkeypatch.chdir(tmp_path)
 
-    def train(*args):
+    def run(*args):
         raise TrainingStarted(args)
-    monkeypatch.setattr(compare_phis, 'train', train)
+    monkeypatch.setattr(StudyRunner, 'run', run)
     with pytest.raises(SystemExit) as stop:
         compare_phis.main(['--study', str(tmp_path / 'study.py'), '--work-dir', str(tmp_path / 'runs'),
                            '--no-timing'])
     config = CONFIGS / 'your_data' / 'deit_t_image_folder.py'
-    assert str(stop.value) == (f'row rope (your_data/deit_t_image_folder.py): {config}: {HEADER}\n  phii: the config '
-                               'has no phii, and neither the runner nor the tools read one; did you mean phi?')
+    assert str(stop.value) == (f'study: the study cannot run as it is; nothing was trained:\n  row rope '
+                               f'(your_data/deit_t_image_folder.py): {config}: {HEADER}\n  phii: the config has no '
+                               'phii, and neither the runner nor the tools read one; did you mean phi?')
     assert not (tmp_path / 'runs' / 'peripheral' / 'seed0').exists()
 
 
@@ -236,7 +241,10 @@ def test_a_rows_options_reach_its_runs_as_python_values(tmp_path, monkeypatch, o
         def __init__(self, command, **kwargs):
             commands.append(command)
             raise TrainingStarted()
-    monkeypatch.setattr(compare_phis.subprocess, 'Popen', Popen)
+    monkeypatch.setattr(runs_module.subprocess, 'Popen', Popen)
+    (tmp_path / 'data' / 'mydata').mkdir(parents=True)  # the configs' data_root, read from here
+    (tmp_path / 'my data').mkdir()
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(TrainingStarted):
         compare_phis.main(['--study', str(tmp_path / 'study.py'), '--work-dir', str(tmp_path / 'runs'), '--no-timing',
                            '--cfg-options', 'num_classes=3'])
@@ -247,6 +255,8 @@ def test_a_rows_options_reach_its_runs_as_python_values(tmp_path, monkeypatch, o
     trained_value = trained
     for part in key.split('.'):
         trained_value = trained_value[part]
+    if key.endswith('data_root'):
+        value = str(tmp_path / value)  # read from the folder the command runs in, as tools/train.py reads it
     assert trained_value == value  # a tuple is no list, nor a dict a string
     assert trained.model.head.num_classes == trained.data_preprocessor.num_classes == 3  # linked keys, as before
     assert trained.randomness.seed == 0

@@ -18,7 +18,7 @@ import posattn
 from ..linked_settings import LINKED_KEYS
 from .spec import Study, row_config, with_options
 
-__all__ = ['StudyError', 'checked_run_configs', 'test_sides']
+__all__ = ['StudyError', 'checked_run_configs', 'test_sides', 'absolute_data_roots']
 
 DATA_LOADERS = ('train_dataloader', 'val_dataloader', 'test_dataloader')
 PHI_OWN = 'own'  # a swap's name for the model's own scheme
@@ -41,7 +41,7 @@ def checked_run_configs(study: Study, planned: Sequence[str], data: Optional[Con
         except (ValueError, KeyError, TypeError, FileNotFoundError) as error:
             problems.append(f'row {name} ({row.config}): {error}')
             continue
-        row_problems = [*_unknown_phis(cfg), *_size_test_problems(cfg, study), *_absolute_data_roots(cfg, cwd)]
+        row_problems = [*_unknown_phis(cfg), *_size_test_problems(cfg, study), *absolute_data_roots(cfg, cwd)]
         problems += [f'row {name} ({row.config}): {problem}' for problem in row_problems]
         configs[name] = cfg
     if problems:
@@ -117,7 +117,7 @@ def _datasets(cfg: Config) -> Iterator[Tuple[str, Dict[str, Any]]]:
             dataset, key = dataset.get('dataset'), f'{key}.dataset'
 
 
-def _absolute_data_roots(cfg: Config, cwd: Path) -> List[str]:
+def absolute_data_roots(cfg: Config, cwd: Path) -> List[str]:
     """Makes each dataset's relative ``data_root`` absolute, read from ``cwd`` (the runs start
     elsewhere); the problems where one does not exist, each folder once with the keys that name it."""
     from ..sizes import GENERATED

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 from mmengine.config import Config
 
 from ..evaluation import evaluate_checkpoint
-from .checks import test_sides
+from .checks import absolute_data_roots, test_sides
 from .records import RunRecord, RunStore, read_logged_run
 from .report import SIZE_TESTS, SizeTest
 from .spec import CHECKOUT, Row, Study, config_digest, recorded_options, row_config, with_options
@@ -72,7 +72,10 @@ class StudyRunner:
         return self._row_configs[name]
 
     def run_config(self, name: str, options: Mapping[str, Any]) -> Config:
-        return with_options(self.row_config(name), options)
+        """The config a run of ``name`` trains: its overrides merged, its data folders absolute."""
+        cfg = with_options(self.row_config(name), options)
+        absolute_data_roots(cfg, self.cwd)
+        return cfg
 
     def finished(self, name: str, seed: int, options: Mapping[str, Any]) -> Optional[RunRecord]:
         """The run's record where it finished before with these overrides and config, else None."""
