@@ -260,3 +260,17 @@ def test_a_rows_options_reach_its_runs_as_python_values(tmp_path, monkeypatch, o
     assert trained_value == value  # a tuple is no list, nor a dict a string
     assert trained.model.head.num_classes == trained.data_preprocessor.num_classes == 3  # linked keys, as before
     assert trained.randomness.seed == 0
+
+
+def test_the_schedulers_that_ended_with_the_run_follow_its_new_length():
+    """A shorter run keeps its cosine decay whole: the schedulers that ended where the run did (by
+    what they are, not by their place in the list) end where it now does, unless set themselves."""
+    from posattn_openmmlab.linked_settings import merge_options
+    config = CONFIGS / 'study' / 'deit-t-half_ape_shapes.py'
+    cfg = Config.fromfile(config)
+    assert [scheduler['end'] for scheduler in cfg.param_scheduler] == [1, 10]
+    merge_options(cfg, {'train_cfg.max_epochs': 3})
+    assert [scheduler['end'] for scheduler in cfg.param_scheduler] == [1, 3]
+    cfg = Config.fromfile(config)
+    merge_options(cfg, {'train_cfg.max_epochs': 3, 'param_scheduler.1.end': 7})
+    assert [scheduler['end'] for scheduler in cfg.param_scheduler] == [1, 7]

@@ -535,6 +535,7 @@ def test_tools_train_resumes_an_unfinished_training_and_refuses_other_settings(t
         train_tool.continue_previous_training(config('optim_wrapper.optimizer.lr=0.001', 'train_cfg.max_epochs=4'))
     assert str(refusal.value).startswith(f'{tmp_path / "run"} holds a training with other settings than this one '
                                          f'({latest}):\n  optim_wrapper.optimizer.lr: was 0.0003, now 0.001\n'
+                                         f'  param_scheduler.1.end: was 3, now 4\n'  # the schedule ends with the run
                                          f'  train_cfg.max_epochs: was 3, now 4\nTo train from the beginning, '
                                          f'give another --work-dir or delete')
     torch.save({'state_dict': {}}, latest)  # no config recorded: not a training of this tool

@@ -84,6 +84,9 @@ def _differences(old, new, key='') -> Iterator[str]:
         for name in sorted(set(old) | set(new), key=str):
             inner = f'{key}.{name}' if key else name
             yield from _differences(old.get(name, '(unset)'), new.get(name, '(unset)'), inner)
+    elif isinstance(old, (list, tuple)) and isinstance(new, (list, tuple)) and len(old) == len(new) and old != new:
+        for index, (was, now) in enumerate(zip(old, new)):  # each item by its index, as --cfg-options names it
+            yield from _differences(was, now, f'{key}.{index}')
     elif old != new:
         yield f'{key}: was {_short(old)}, now {_short(new)}'
 
