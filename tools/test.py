@@ -21,10 +21,12 @@ ViT); relative Φp and PerViT's are computed for the grid they see. The test dat
   config's ratio of the two, floored, bicubic: 256 / 224 in every ImageNet config here, so 384
   gives 438 -> 384, as DeiT and CPVT evaluate at 384;
 * a test pipeline whose one sizing transform gives images of a fixed size (``Resize`` to a
-  ``scale`` without ``keep_ratio``, ``RandomResizedCrop``) gives them at N x N instead.
+  ``scale`` without ``keep_ratio``, ``RandomResizedCrop``) gives them at N x N instead;
+* any other test pipeline whose sizing keys the config links to its ``img_size`` (``linked_keys``)
+  has them set to N.
 
-Any other test data, and detectors and segmentors, are an error naming the ``--cfg-options`` keys
-that size the images, to set by hand.
+Any other test data, and detectors and segmentors, are an error naming the keys that size the
+images: those to link to ``img_size``, or to set by hand.
 
 ``--extent N`` tests the extent of a classifier trained on ``PositionalRelations``: its test scenes
 are drawn on a canvas of N x N pixels at the training scale (the shapes keep their pixel sizes;
@@ -64,8 +66,9 @@ IMG_SIZE_HELP = (
     "the test data are rewritten: PositionalShapes is generated at N x N (the same scenes, shapes scaled "
     "with the image); a test pipeline with ResizeEdge then CenterCrop crops N and resizes the short edge to N "
     "times the config's resize / crop ratio (256 / 224: 384 gives 438 -> 384), bicubic; one whose only sizing "
-    "transform is a Resize without keep_ratio or a RandomResizedCrop resizes to N x N. Other test data, "
-    "detectors and segmentors: an error naming the --cfg-options to set by hand")
+    "transform is a Resize without keep_ratio or a RandomResizedCrop resizes to N x N; one whose sizing keys the "
+    "config links to img_size has them set to N. Other test data, detectors and segmentors: an error naming the keys "
+    "to link or to set by hand")
 
 
 def parse_args(argv=None):

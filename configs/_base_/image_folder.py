@@ -47,13 +47,33 @@ test_evaluator = val_evaluator
 # an image file of 0 bytes (an interrupted copy) stops the run before its first step, named
 custom_hooks = [dict(type='EmptyImageCheckHook')]
 
+# The recipe: 'imagenet' (DeiT's: random resized crops, flips, Mixup and CutMix; evaluation resizes
+# the short edge and crops the centre) or 'position', for labels that depend on where things are:
+# every image resized to img_size x img_size, no crop, no flip, no Mixup or CutMix (a flip swaps
+# left and right, a crop moves the object). --cfg-options recipe=position chooses it; the model
+# configs add the rest of each recipe (lr, schedule) to its entry in recipes.
+recipe = 'imagenet'
+position_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='Resize', scale=img_size, keep_ratio=False, backend='pillow', interpolation='bicubic'),
+    dict(type='PackInputs'),
+]
+recipes = dict(
+    imagenet=dict(),
+    position={'train_dataloader.dataset.pipeline': position_pipeline,
+              'val_dataloader.dataset.pipeline': position_pipeline,
+              'test_dataloader.dataset.pipeline': position_pipeline},
+)
+
 # {top-level setting: the keys that use its value}: the tools set these keys from the setting given
-# with --cfg-options, and refuse a config in which one differs from its setting.
+# with --cfg-options, and refuse a config in which one differs from its setting. A pipeline's
+# transform is named by its type, so that each recipe's transforms are linked.
 linked_keys = dict(
     data_root=['train_dataloader.dataset.data_root', 'val_dataloader.dataset.data_root',
                'test_dataloader.dataset.data_root'],
     num_classes=['data_preprocessor.num_classes', 'model.head.num_classes'],
-    img_size=['train_dataloader.dataset.pipeline.1.scale',
-              'val_dataloader.dataset.pipeline.1.scale', 'val_dataloader.dataset.pipeline.2.crop_size',
-              'test_dataloader.dataset.pipeline.1.scale', 'test_dataloader.dataset.pipeline.2.crop_size'],
+    img_size=[f'{loader}.dataset.pipeline.{transform}.{key}' for loader in ('train_dataloader', 'val_dataloader',
+                                                                           'test_dataloader')
+              for transform, key in (('RandomResizedCrop', 'scale'), ('ResizeEdge', 'scale'),
+                                     ('CenterCrop', 'crop_size'), ('Resize', 'scale'))],
 )

@@ -17,5 +17,10 @@ train_cfg = dict(max_epochs=100)  # the cosine decay ends there; warmup_epochs=.
 # warm-up, without the decay (posattn_openmmlab.schedules)
 param_scheduler = [_base_.param_scheduler[0], dict(_base_.param_scheduler[1], type='CosineAfterWarmupLR')]
 default_hooks = dict(checkpoint=dict(save_best='accuracy/top1', rule='greater'))
+# recipe=position (_base_/image_folder.py): no Mixup or CutMix, no drop path, and an lr and schedule that
+# learn from a few hundred images from scratch
+recipes = dict(position={'model.train_cfg': None, 'model.backbone.drop_path_rate': 0.0,
+                         'optim_wrapper.optimizer.lr': 1e-3, 'train_dataloader.batch_size': 32,
+                         'warmup_epochs': 2, 'train_cfg.max_epochs': 30})
 # the keys that --cfg-options phi=... and warmup_epochs=... set (with the data's, _base_/image_folder.py)
 linked_keys = dict(phi=['model.backbone.phi'], warmup_epochs=['param_scheduler.0.end', 'param_scheduler.1.begin'])

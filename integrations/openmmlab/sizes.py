@@ -15,6 +15,7 @@ from mmengine.config import Config
 from mmpretrain.models import BaseClassifier
 from mmpretrain.registry import MODELS
 
+from .linked_settings import LINKED_KEYS, resolved_key
 from .relations_dataset import MIN_CANVAS
 
 __all__ = ['Size', 'GENERATED', 'config_test_size', 'set_test_size', 'set_test_extent', 'in_words', 'size_keys',
@@ -171,11 +172,7 @@ def set_test_size(cfg: Config, size: Size) -> str:
     pipeline = dataset.get('pipeline') or ()
     fixed, indices = fixed_size_index(pipeline), resize_crop_indices(pipeline)
     if fixed is None and indices is None:
-        raise ValueError(f'--img-size cannot rewrite this config\'s test data, a {dataset.get("type")} whose '
-                         f'pipeline is [{", ".join(_transform_type(t) for t in pipeline)}]: it rewrites '
-                         f'PositionalShapes (img_size), test pipelines that resize the short edge (ResizeEdge) '
-                         f'and crop the centre (CenterCrop), and those whose one sizing transform is a Resize '
-                         f'without keep_ratio or a RandomResizedCrop. Set the size by hand: {_by_hand(dataset)}')
+        return _set_linked_test_size(cfg, size)
     dataset.pipeline = resized_pipeline(pipeline, size)
     if fixed is not None:
         return (f'the test pipeline\'s {_transform_type(pipeline[fixed])} to {in_words(size)} (the config\'s: '
@@ -183,6 +180,44 @@ def set_test_size(cfg: Config, size: Size) -> str:
     resize = indices[0]
     return (f'the test pipeline\'s ResizeEdge to a short edge of {dataset.pipeline[resize].scale} (the config\'s: '
             f'{pipeline[resize].scale}), bicubic, and its CenterCrop to {in_words(size)} (the config\'s: {before})')
+
+
+def _set_linked_test_size(cfg: Config, size: Size) -> str:
+    """Sets the test split's sizing keys to ``size`` where the config links every one of them to its
+    ``img_size``; else a ValueError naming the keys linked to nothing and how to link them."""
+    dataset = cfg.test_dataloader.dataset
+    sizing, linked = size_keys(dataset), _linked_test_keys(cfg)
+    unlinked = [key for key in sizing if key not in linked]
+    if sizing and not unlinked and size[0] == size[1]:
+        cfg.merge_from_dict(dict.fromkeys(linked, size[0]))
+        return (f'the test keys the config links to img_size ({", ".join(linked)}) to {size[0]} (the config\'s: '
+                f'{cfg.get("img_size")})')
+    if sizing and not unlinked:
+        raise ValueError(f'the test keys the config links to img_size ({", ".join(linked)}) take one side: '
+                         f'--img-size {max(size)}; got {in_words(size)}')
+    pipeline = dataset.get('pipeline') or ()
+    typed = [_typed_key(key, pipeline) for key in unlinked]
+    raise ValueError(f'--img-size cannot rewrite this config\'s test data, a {dataset.get("type")} whose pipeline is '
+                     f'[{", ".join(_transform_type(t) for t in pipeline)}]: it rewrites PositionalShapes (img_size), '
+                     f'test pipelines that resize the short edge (ResizeEdge) and crop the centre (CenterCrop), '
+                     f'those whose one sizing transform is a Resize without keep_ratio or a RandomResizedCrop, and '
+                     f'those whose sizing keys the config links to img_size (square sizes). '
+                     + (f'Link {", ".join(typed)} to img_size too (the config\'s linked_keys[\'img_size\']): then '
+                        f'--img-size sets them' if unlinked and linked else
+                        f'Set the size by hand: {_by_hand(dataset)}'))
+
+
+def _typed_key(key: str, pipeline: Sequence[Mapping[str, Any]]) -> str:
+    """``test_dataloader.dataset.pipeline.2.size`` as ``...pipeline.Pad.size``: its transform by its type."""
+    head, index, name = key.rsplit('.', 2)
+    return f'{head}.{_transform_type(pipeline[int(index)])}.{name}' if index.isdigit() else key
+
+
+def _linked_test_keys(cfg: Config) -> List[str]:
+    """The test split's keys the config links to its ``img_size`` (its ``linked_keys``), as
+    ``--cfg-options`` writes them, where the config has them."""
+    keys = [key for key in (cfg.get(LINKED_KEYS) or {}).get('img_size', ()) if key.startswith('test_dataloader.')]
+    return [resolved for resolved in (resolved_key(cfg, key) for key in keys) if resolved is not None]
 
 
 def set_test_extent(cfg: Config, side: int) -> str:

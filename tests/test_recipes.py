@@ -1,0 +1,198 @@
+"""Recipes for your own images (configs/your_data): recipe=position keeps every pixel where it was;
+linked settings name a pipeline's transforms by their type, so that img_size sizes each recipe's; and
+tools/test.py --img-size sizes any test pipeline whose sizes are linked to img_size, so that no
+refusal sends a user in a circle. The documented commands, on a folder whose labels are left and
+right, train and test models above chance (slow)."""
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, require_openmmlab
+
+require_openmmlab()  # before the OpenMMLab imports
+
+from mmengine.config import Config  # noqa: E402
+
+from posattn_openmmlab.linked_settings import merge_options  # noqa: E402
+from posattn_openmmlab.sizes import set_test_size  # noqa: E402
+
+CONFIGS = REPO / 'configs' / 'your_data'
+MODELS = ('deit_t_image_folder.py', 'pervit_t_image_folder.py')
+
+
+def loaded(name, **options):
+    cfg = Config.fromfile(CONFIGS / name)
+    merge_options(cfg, options)
+    return cfg
+
+
+def transforms(cfg, loader):
+    return [transform['type'] for transform in cfg[loader].dataset.pipeline]
+
+
+@pytest.mark.parametrize('name', MODELS)
+def test_the_position_recipe_keeps_every_pixel_where_it_was(name):
+    """No crop, no flip, no Mixup or CutMix; every image resized to img_size x img_size, train and
+    test alike; its lr and schedule; the other settings as given, on top."""
+    imagenet = loaded(name, img_size=64)
+    assert 'RandomFlip' in transforms(imagenet, 'train_dataloader') and imagenet.model.train_cfg.augments
+    cfg = loaded(name, recipe='position', img_size=64, num_classes=3)
+    for loader in ('train_dataloader', 'val_dataloader', 'test_dataloader'):
+        assert transforms(cfg, loader) == ['LoadImageFromFile', 'Resize', 'PackInputs'], loader
+        assert cfg[loader].dataset.pipeline[1].scale == 64 and cfg[loader].dataset.pipeline[1].keep_ratio is False
+    assert cfg.model.train_cfg is None and cfg.model.backbone.drop_path_rate == 0.0
+    assert (cfg.optim_wrapper.optimizer.lr, cfg.train_dataloader.batch_size, cfg.train_cfg.max_epochs) == (1e-3, 32, 30)
+    assert cfg.param_scheduler[0].end == cfg.param_scheduler[1].begin == 2  # its warm-up, through warmup_epochs
+    assert cfg.model.head.num_classes == 3
+    shorter = loaded(name, recipe='position', **{'train_cfg.max_epochs': 5})  # the user's options come last
+    assert shorter.train_cfg.max_epochs == 5
+
+
+def test_a_config_that_sets_the_recipe_itself_and_its_saved_copy_train_alike(tmp_path):
+    """recipe='position' in a config of one's own that inherits ours; the copy a training saves in its
+    work dir reads back to the same config."""
+    mine = tmp_path / 'mine.py'
+    mine.write_text(f"_base_ = '{CONFIGS / 'deit_t_image_folder.py'}'\nrecipe = 'position'\nimg_size = 48\n")
+    cfg = Config.fromfile(mine)
+    merge_options(cfg, {})
+    assert transforms(cfg, 'train_dataloader') == ['LoadImageFromFile', 'Resize', 'PackInputs']
+    assert cfg.train_dataloader.dataset.pipeline[1].scale == 48 and cfg.model.backbone.img_size == 48
+    cfg.dump(tmp_path / 'saved.py')
+    saved = Config.fromfile(tmp_path / 'saved.py')
+    merge_options(saved, {})
+    assert saved.to_dict() == cfg.to_dict()
+
+
+def test_an_unknown_recipe_names_the_recipes():
+    with pytest.raises(ValueError, match=r"recipe='positions' is none of the config's recipes \('imagenet', "
+                                         r"'position'\)"):
+        loaded('deit_t_image_folder.py', recipe='positions')
+
+
+def own_pipeline_config(tmp_path, name, pipeline, links=''):
+    """A config of one's own whose test ``pipeline`` (its transforms' text) --img-size's own rules do not
+    rewrite; ``links``: what it adds to img_size's linked keys."""
+    path = tmp_path / f'{name}.py'
+    path.write_text(f"""_base_ = '{CONFIGS / 'deit_t_image_folder.py'}'
+test_pipeline = [dict(type='LoadImageFromFile'), {pipeline}, dict(type='PackInputs')]
+val_dataloader = dict(dataset=dict(pipeline=test_pipeline))
+test_dataloader = dict(dataset=dict(pipeline=test_pipeline))
+linked_keys = dict(img_size=[*_base_.linked_keys.img_size, {links}])
+""")
+    cfg = Config.fromfile(path)
+    merge_options(cfg, {})
+    return path, cfg
+
+
+KEEPING_RATIO = "dict(type='Resize', scale=224, keep_ratio=True), dict(type='CenterCrop', crop_size=224)"
+ANOTHER_CROP = "dict(type='ResizeEdge', scale=224), dict(type='RandomCrop', crop_size=224)"
+
+
+def test_img_size_sizes_a_pipeline_of_ones_own_through_its_links_and_each_refusal_names_a_fix_that_works(tmp_path):
+    """A resize that keeps the ratio then a centre crop, both linked by their types (as
+    configs/_base_/image_folder.py links them): --img-size sets them. A crop linked to nothing: the
+    refusal names it and how to link it, and once linked --img-size sets it."""
+    path, cfg = own_pipeline_config(tmp_path, 'linked', KEEPING_RATIO)
+    said = set_test_size(cfg, (96, 96))
+    assert 'test_dataloader.dataset.pipeline.1.scale' in said and 'test_dataloader.dataset.pipeline.2.crop_size' in said
+    assert cfg.test_dataloader.dataset.pipeline[1].scale == cfg.test_dataloader.dataset.pipeline[2].crop_size == 96
+    assert cfg.model.backbone.img_size == 224  # the grid of the learned position embedding, as trained
+    with pytest.raises(ValueError, match=r'take one side: --img-size 96; got 96 x 64'):
+        set_test_size(Config.fromfile(path), (96, 64))
+    with pytest.raises(ValueError) as error:  # a linked test key set by hand: the fix named is --img-size
+        merge_options(Config.fromfile(path), {'test_dataloader.dataset.pipeline.1.scale': 96})
+    assert 'to test at another size, tools/test.py --img-size N' in str(error.value)
+
+    _, cfg = own_pipeline_config(tmp_path, 'crop', ANOTHER_CROP)
+    with pytest.raises(ValueError, match=r"Link test_dataloader\.dataset\.pipeline\.RandomCrop\.crop_size to img_size "
+                                         r"too \(the config's linked_keys\['img_size'\]\): then --img-size sets them"):
+        set_test_size(cfg, (96, 96))
+    _, cfg = own_pipeline_config(tmp_path, 'crop_linked', ANOTHER_CROP,
+                                 "'test_dataloader.dataset.pipeline.RandomCrop.crop_size'")  # the fix named
+    set_test_size(cfg, (96, 96))
+    assert cfg.test_dataloader.dataset.pipeline[2].crop_size == 96
+
+
+def draw_position_folder(root: Path, per_class=(60, 20), seed=0) -> Path:
+    """Two classes by where a bright disc is, left or right: images of 40-72 px in either side,
+    some grayscale, PNG and JPEG."""
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    for split, count in zip(('train', 'val'), per_class):
+        for side in ('left', 'right'):
+            (root / split / side).mkdir(parents=True)
+            for index in range(count):
+                height, width = (int(side) for side in rng.integers(40, 72, 2))
+                image = rng.integers(0, 70, (height, width, 3)).astype(np.uint8)
+                radius, half = max(3, min(height, width) // 8), width // 2
+                cy, cx = rng.integers(radius, height - radius), rng.integers(radius, half - radius)
+                cx += 0 if side == 'left' else half
+                rows, cols = np.mgrid[:height, :width]
+                image[(rows - cy) ** 2 + (cols - cx) ** 2 <= radius ** 2] = 230
+                picture = Image.fromarray(image).convert('L' if index % 5 == 0 else 'RGB')
+                picture.save(root / split / side / f'{index}.{"jpg" if index % 2 else "png"}')
+    return root
+
+
+def documented_commands():
+    """The commands of docs/your-data.md's first block for labels that depend on position."""
+    text = (REPO / 'docs' / 'your-data.md').read_text()
+    block = re.search(r'```bash\n(python tools/train\.py [^`]*recipe=position[^`]*)```', text).group(1)
+    return [shlex.split(line) for line in block.replace('\\\n', ' ').splitlines() if line.strip()]
+
+
+SMALL_MACHINE = ['train_dataloader.num_workers=0', 'train_dataloader.persistent_workers=False',
+                 'val_dataloader.num_workers=0', 'val_dataloader.persistent_workers=False',
+                 'test_dataloader.num_workers=0', 'test_dataloader.persistent_workers=False']
+
+
+def run(command, cwd):
+    result = subprocess.run([sys.executable, *command[1:]], cwd=cwd, capture_output=True, text=True, timeout=1200,
+                            env={'OMP_NUM_THREADS': '1', 'PATH': '/usr/bin:/bin'})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_the_documented_commands_learn_where_things_are_and_test_at_other_sizes(tmp_path):
+    """docs/your-data.md's commands with recipe=position, on a left / right folder, a DeiT-T + RoPE and
+    a PerViT-T well above chance, tested at 1x and 1.5x; then a two-row study with three seeds."""
+    draw_position_folder(tmp_path / 'data' / 'mydata')
+    (tmp_path / 'configs').symlink_to(REPO / 'configs')
+    (tmp_path / 'tools').symlink_to(REPO / 'tools')
+    train, test = documented_commands()
+    assert 'recipe=position' in train and test[-2:] == ['--img-size', '96']
+    finals = {}
+    for config in ('configs/your_data/deit_t_image_folder.py', 'configs/your_data/pervit_t_image_folder.py'):
+        work_dir = tmp_path / Path(config).stem
+        command = [part if part != 'work_dirs/where' else str(work_dir) for part in train]
+        command[2] = config
+        output = run([*command, *SMALL_MACHINE], tmp_path)
+        finals[config] = float(re.search(r'Last validation: accuracy/top1: ([\d.]+)', output).group(1))
+        for size in ('64', '96'):  # 1x and 1.5x
+            tested = run([test[0], test[1], str(work_dir / Path(config).name), str(work_dir / 'epoch_30.pth'),
+                          '--img-size', size, '--out', str(work_dir / f'top1_{size}.json')], tmp_path)
+            assert f'Metrics at {size} x {size} pixels' in tested
+            assert 0 <= json.loads((work_dir / f'top1_{size}.json').read_text())['accuracy/top1'] <= 100
+    print(f'final top-1 with recipe=position: {finals}')
+    assert all(top1 >= 80.0 for top1 in finals.values()), finals  # chance is 50
+
+    (tmp_path / 'study.py').write_text(
+        "options = dict(recipe='position', data_root='data/mydata', num_classes=2, img_size=32)\n"
+        "rows = [dict(name='rope', config='your_data/deit_t_image_folder.py', label='DeiT-T + RoPE', "
+        "options=dict(phi='rope')),\n"
+        "        dict(name='peg', config='your_data/deit_t_image_folder.py', label='DeiT-T + PEG', "
+        "options=dict(phi='peg'))]\n")
+    output = run(['python', 'tools/compare_phis.py', '--study', 'study.py', '--seeds', '0', '1', '2', '--epochs', '8',
+                  '--no-timing', '--work-dir', 'study', '--cfg-options', *SMALL_MACHINE], tmp_path)
+    table = (tmp_path / 'study' / 'comparison.md').read_text()
+    assert '(3 seeds)' in table and 'DeiT-T + RoPE' in output
+    for column in ('final top-1', 'range', 'best-epoch top-1', 'epochs to 95%', 'step time', 'run time',
+                   'minus the next', '95% interval'):
+        assert f'\n- {column}: ' in table, column
