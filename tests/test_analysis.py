@@ -269,7 +269,43 @@ def test_measures_label_every_y_axis_with_quantity_and_unit(tmp_path):
     drawn = [ax for ax in fig.axes if ax.axison]
     assert [ax.get_title() for ax in drawn] == ['Ω (Eq. 13) of Φp', 'Ω (Eq. 13) of Φc', 'Ω (Eq. 13) of Φa',
                                                'Ψ (Eq. 12) of Φp', 'Ψ (Eq. 12) of Φc']
-    assert [ax.get_ylabel() for ax in drawn] == ['nonlocality Ω (tokens)'] * 3 + ['impact Ψ (dimensionless)'] * 2
+    assert [ax.get_ylabel() for ax in drawn] == [
+        'Ω: pair mean of Φp x distance (tokens)', 'Ω: mean attention distance / |P| (tokens)',
+        'Ω: mean attention distance / |P| (tokens)', 'Ψ = 1 / ||Φa - Φp||_F (no unit)', 'Ψ = 1 / ||Φa - Φc||_F (no unit)']
+
+
+def test_an_impact_without_bound_is_cut_and_marked_while_the_record_keeps_it(tmp_path):
+    """Φa = Φc where the Φp adds nothing at initialisation (rpb's zero tables): Ψc is 1 / 0, or
+    about 1 / rounding; its bars stop at IMPACT_SHOWN, hatched, and the panel says why."""
+    from posattn.analysis.figures import IMPACT_SHOWN
+    torch.manual_seed(0)
+    model = posattn.create_model('vit_tiny', phi='rpb', img_size=32, depth=2, num_classes=0)
+    measures = measure_attention(model, [torch.randn(2, 3, 32, 32)])
+    assert all(m.impact_content.min() > IMPACT_SHOWN for m in measures)  # as computed
+    fig = plot_measures(measures, tmp_path / 'measures.png')
+    (panel,) = [ax for ax in fig.axes if ax.axison and ax.get_title().startswith('Ψ (Eq. 12) of Φc')]
+    assert 'hatched: larger' in panel.get_title()
+    bars = [patch for patch in panel.patches]
+    assert bars and all(bar.get_height() == IMPACT_SHOWN and bar.get_hatch() == '///' for bar in bars)
+
+
+@pytest.mark.parametrize('side,apply', [(3, False), (4, False), (5, True), (7, True), (14, True)])
+def test_regions_are_named_only_on_grids_where_each_holds_a_pair_of_positions(side, apply):
+    """On 4 x 4 the radii are 0.34, 0.96, 1.67, 2.26 (Eq. 38): no two positions are para-central
+    apart, so no head can be there and the names say nothing."""
+    from posattn.analysis.metrics import region_radii, regions_apply
+    grid = TokenGrid.of((side, side))
+    distances = {math.hypot(dy, dx) for dy in range(side) for dx in range(side)}
+    bounds = (0.0, *region_radii(grid))
+    assert all(any(low <= d < high for d in distances) for low, high in zip(bounds, bounds[1:])) == apply  # oracle
+    assert regions_apply(grid) == apply
+    model = posattn.create_model('vit_tiny', phi='peripheral', img_size=16 * side, depth=1, num_classes=0)
+    (measures,) = measure_attention(model, [torch.randn(1, 3, 16 * side, 16 * side)])
+    if apply:
+        assert set(measures.regions) <= set(REGIONS)
+    else:
+        assert measures.regions == [f'grid too small for regions ({side}x{side})'] * 3
+    assert measures.to_dict()['regions_apply'] == apply
 
 
 def visible_text_sizes(fig):

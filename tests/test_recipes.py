@@ -171,7 +171,8 @@ def test_the_documented_commands_learn_where_things_are_and_test_at_other_sizes(
     finals = {}
     for config in ('configs/your_data/deit_t_image_folder.py', 'configs/your_data/pervit_t_image_folder.py'):
         work_dir = tmp_path / Path(config).stem
-        command = [part if part != 'work_dirs/where' else str(work_dir) for part in train]
+        command = [part if part != 'work_dirs/where' else str(work_dir) for part in train
+                   if not (config.endswith('pervit_t_image_folder.py') and part.startswith('phi='))]  # PerViT's own Φp
         command[2] = config
         output = run([*command, *SMALL_MACHINE], tmp_path)
         finals[config] = float(re.search(r'Last validation: accuracy/top1: ([\d.]+)', output).group(1))

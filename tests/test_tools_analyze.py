@@ -45,10 +45,20 @@ def test_analyze_writes_metrics_and_figures(tmp_path):
     assert record['num_images'] == 6 and record['checkpoint'] is None
     assert [layer['layer'] for layer in record['layers']] == [f'model.blocks.{i}.attn' for i in range(12)]
     first = record['layers'][0]
-    assert first['grid'] == [4, 4] and len(first['nonlocality_position']) == 4 and len(first['regions']) == 4
+    assert first['grid'] == [4, 4] and len(first['nonlocality_position']) == 4
+    assert first['regions'] == ['grid too small for regions (4x4)'] * 4 and first['regions_apply'] is False
     for name in ('position.png', 'samples.png', 'measures.png'):
         assert (tmp_path / name).read_bytes()[:4] == b'\x89PNG'
     assert f'wrote {tmp_path / "metrics.json"}' in stdout
+
+
+def test_the_progress_counts_the_images_there_are(tmp_path):
+    """Fewer validation images than --num-images asks: all of them, said, and the progress bar's total
+    is their number."""
+    stdout = analyze('--out', str(tmp_path), '--cfg-options', 'val_dataloader.dataset.num_images=4')
+    assert 'the validation split holds 4 images: analysing all of them (--num-images 6)' in stdout
+    assert '4/4' in stdout and '/6' not in stdout
+    assert json.loads((tmp_path / 'metrics.json').read_text())['num_images'] == 4
 
 
 def test_analyze_reads_a_release_checkpoint(tmp_path):

@@ -88,9 +88,8 @@ def build_model(cfg: Config, checkpoint):
     return model.eval()
 
 
-def validation_images(cfg: Config, model, limit: int):
-    """Batches of preprocessed validation images, ``limit`` images in all."""
-    loader = Runner.build_dataloader(cfg.val_dataloader)
+def validation_images(loader, model, limit: int):
+    """Batches of preprocessed validation images from ``loader``, ``limit`` images in all."""
     seen = 0
     for batch in loader:
         if seen >= limit:
@@ -133,14 +132,19 @@ def main(argv=None):
     model = build_model(cfg, args.checkpoint)
     backbone = model.backbone
 
-    progress = ProgressBar(args.num_images)
+    loader = Runner.build_dataloader(cfg.val_dataloader)
+    count = min(args.num_images, len(loader.dataset))
+    if count < args.num_images:
+        print(f'the validation split holds {len(loader.dataset)} images: analysing all of them '
+              f'(--num-images {args.num_images})')
+    progress = ProgressBar(count)
 
     def counted(batches):
         for images in batches:
             yield images
             progress.update(len(images))
 
-    batches = validation_images(cfg, model, args.num_images)
+    batches = validation_images(loader, model, count)
     first = next(batches)
     measures = measure_attention(backbone, counted(itertools.chain([first], batches)))
     shown = first[:args.show_images]

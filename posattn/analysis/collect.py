@@ -28,7 +28,7 @@ from ..attention import Attention
 from ..functional import attention_probs
 from ..grid import TokenGrid
 from ..phi import PositionalModule
-from .metrics import REGIONS, impact, nonlocality, region_scores
+from .metrics import REGIONS, impact, nonlocality, region_scores, regions_apply
 
 __all__ = ['AttentionMaps', 'LayerMeasures', 'attention_maps', 'collect_attention_maps', 'measure_attention']
 
@@ -210,9 +210,15 @@ class LayerMeasures:
 
     @property
     def regions(self) -> Optional[List[str]]:
-        """Each head's peripheral region (Eq. 11), a name from :data:`~posattn.analysis.metrics.REGIONS`."""
+        """Each head's peripheral region (Eq. 11), a name from :data:`~posattn.analysis.metrics.REGIONS`;
+        on a grid too small for the regions (:func:`~posattn.analysis.metrics.regions_apply`), that said
+        for every head instead."""
         scores = self.region_scores
-        return None if scores is None else [REGIONS[i] for i in scores.argmax(-1).tolist()]
+        if scores is None:
+            return None
+        if not regions_apply(self.grid):
+            return [f'grid too small for regions ({self.grid.height}x{self.grid.width})'] * len(scores)
+        return [REGIONS[i] for i in scores.argmax(-1).tolist()]
 
     def to_dict(self) -> Dict[str, object]:
         """JSON-ready: the layer, its grid, the sample count, every measure as lists, the regions, and
@@ -223,6 +229,7 @@ class LayerMeasures:
             value = getattr(self, key)
             out[key] = None if value is None else value.tolist()
         out['regions'] = self.regions
+        out['regions_apply'] = regions_apply(self.grid)
         if self.gate is not None:
             out['gate'] = self.gate.tolist()
         return out

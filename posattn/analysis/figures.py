@@ -269,9 +269,21 @@ def plot_sample_attention(images: torch.Tensor, maps: Dict[str, AttentionMaps], 
 
 
 _SYMBOLS = {'position': 'Φp', 'content': 'Φc', 'mixed': 'Φa'}
-# (measure, the maps it is taken of, symbol and equation, y-axis label: the quantity and its unit)
-_PANELS = (('nonlocality', ('position', 'content', 'mixed'), 'Ω (Eq. 13)', 'nonlocality Ω (tokens)'),
-           ('impact', ('position', 'content'), 'Ψ (Eq. 12)', 'impact Ψ (dimensionless)'))
+# Each panel's y axis: the quantity and its unit. Ω (Eq. 13) sums Φ[q, k] ||q - k|| over the pairs and
+# divides by |P|^2: of Φc and Φa, whose rows sum to 1, that is the mean attention distance over |P|;
+# of Φp, whose values are weights (exp of the bias, a sigmoid for peripheral), the mean over pairs of
+# weight times distance.
+_AXES = {'nonlocality_position': 'Ω: pair mean of Φp x distance (tokens)',
+         'nonlocality_content': 'Ω: mean attention distance / |P| (tokens)',
+         'nonlocality_mixed': 'Ω: mean attention distance / |P| (tokens)',
+         'impact_position': 'Ψ = 1 / ||Φa - Φp||_F (no unit)',
+         'impact_content': 'Ψ = 1 / ||Φa - Φc||_F (no unit)'}
+# (measure, the maps it is taken of, symbol and equation)
+_PANELS = (('nonlocality', ('position', 'content', 'mixed'), 'Ω (Eq. 13)'),
+           ('impact', ('position', 'content'), 'Ψ (Eq. 12)'))
+# Ψ grows without bound as Φa approaches the map (a Φp that adds nothing leaves Φa = Φc): bars are drawn
+# up to this and marked where the value is larger, which metrics.json keeps as it is.
+IMPACT_SHOWN = 1e3
 
 
 @_styled
@@ -280,9 +292,11 @@ def plot_measures(measures: Sequence[LayerMeasures], path: PathLike, title: Opti
     """Ω of Φp, Φc, Φa (top row) and Ψ of Φp, Φc (bottom row) per layer: a bar per head and the
     layer mean as a line (Figs. 7, 8).
 
-    Ω is in token units (distances on the grid, weighted by the map and divided by |P|^2); Ψ, one
-    over a Frobenius distance between maps, has no unit. One legend, beside the panels, names the
-    heads' colours (the same in every panel) and the mean.
+    Each panel's axis gives its unit (:data:`_AXES`: Ω of Φc and Φa is the mean attention distance
+    over |P|, Ω of Φp a pair mean of weight times distance); Ψ, one over a Frobenius distance between
+    maps, has no unit and no bound (Φa equal to the map gives infinity): bars above
+    :data:`IMPACT_SHOWN` are cut there and hatched, the panel says so. One legend, beside the panels,
+    names the heads' colours (the same in every panel) and the mean.
 
     Args:
         measures: :func:`~posattn.analysis.measure_attention` output.
@@ -295,9 +309,9 @@ def plot_measures(measures: Sequence[LayerMeasures], path: PathLike, title: Opti
     """
     if not measures:
         raise ValueError('no layer measures to plot')
-    panel_rows = [[(f'{measure}_{kind}', f'{symbol} of {_SYMBOLS[kind]}', y_label) for kind in kinds
+    panel_rows = [[(f'{measure}_{kind}', f'{symbol} of {_SYMBOLS[kind]}', _AXES[f'{measure}_{kind}']) for kind in kinds
                    if getattr(measures[0], f'{measure}_{kind}') is not None]
-                  for measure, kinds, symbol, y_label in _PANELS]
+                  for measure, kinds, symbol in _PANELS]
     panel_rows = [row for row in panel_rows if row]
     columns = max(len(row) for row in panel_rows)
     fig = _figure(3.6 * columns + 1.4, 3.0 * len(panel_rows) + (0.4 if title else 0))
@@ -309,11 +323,18 @@ def plot_measures(measures: Sequence[LayerMeasures], path: PathLike, title: Opti
             ax.axis('off')
         for ax, (key, panel_title, y_label) in zip(axes_row, panels):
             values = torch.stack([getattr(m, key) for m in measures]).numpy()  # (layers, heads)
+            cut = key.startswith('impact') and values.max() > IMPACT_SHOWN
+            if cut:
+                values = values.clip(max=IMPACT_SHOWN)
+                panel_title += f'\n(bars at {IMPACT_SHOWN:g}, hatched: larger; Φa = map gives infinity)'
             heads = values.shape[1]
             width = 0.8 / heads
             for head in range(heads):
-                legend[f'head {head}'] = ax.bar(layers - 0.4 + width * (head + 0.5), values[:, head], width=width,
-                                                alpha=0.6, color=f'C{head}')
+                legend[f'head {head}'] = bars = ax.bar(layers - 0.4 + width * (head + 0.5), values[:, head],
+                                                       width=width, alpha=0.6, color=f'C{head}')
+                for bar, value in zip(bars, values[:, head]):
+                    if cut and value >= IMPACT_SHOWN:
+                        bar.set_hatch('///')
             legend['layer mean'], = ax.plot(layers, values.mean(1), 'k-o', markersize=3, linewidth=1.2)
             if key.startswith('impact') and values.max() > 20 * max(values.min(), 1e-12):
                 ax.set_yscale('log')  # Ψ = 1 / ||Φa - Φ||_F explodes where Φa equals Φ

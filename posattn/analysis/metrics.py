@@ -9,6 +9,9 @@ For an attention map Φ (heads, P, P) over the P = H * W grid positions, distanc
 with the regions central, para-central, mid and far peripheral bounded by the radii
 r = sqrt(H W θ / (220 π)), θ = 5, 40, 120, 220 degrees (Eq. 38): [0, 1.19), [1.19, 3.37),
 [3.37, 5.83), [5.83, 7.9) on a 14 x 14 grid. Pairs farther than the last radius fall in no region.
+On a small grid a region can hold no distance between two positions at all (on 4 x 4 the radii are
+0.34, 0.96, 1.67, 2.26: no pair is para-central), so that no head can be in it and the others' names
+say nothing: :func:`regions_apply` tells, and the regions are named only where each holds one.
 All functions take any leading dimensions (batch, heads) before the two position axes.
 """
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 
 from ..grid import TokenGrid
 
-__all__ = ['REGIONS', 'REGION_ANGLES', 'token_distances', 'region_radii', 'nonlocality', 'impact',
+__all__ = ['REGIONS', 'REGION_ANGLES', 'token_distances', 'region_radii', 'regions_apply', 'nonlocality', 'impact',
            'region_scores']
 
 REGIONS = ('central', 'para-central', 'mid-peripheral', 'far-peripheral')
@@ -40,6 +43,15 @@ def region_radii(grid: TokenGrid) -> Tuple[float, ...]:
     """Outer radius of each region in :data:`REGIONS`, sqrt(H W θ / (220 π)) (Eq. 38)."""
     area = grid.height * grid.width
     return tuple(math.sqrt(area * angle / (FIELD_ANGLE * math.pi)) for angle in REGION_ANGLES)
+
+
+def regions_apply(grid: TokenGrid) -> bool:
+    """Whether every region holds the distance of some pair of positions of ``grid`` (5 x 5 and
+    larger do; 4 x 4 does not), so that a head's region (Eq. 11) tells it apart from the others."""
+    distances = {math.hypot(dy, dx) for dy in range(grid.height) for dx in range(grid.width)}
+    outer = region_radii(grid)
+    return all(any(inner <= distance < radius for distance in distances)
+               for inner, radius in zip((0.0,) + outer[:-1], outer))
 
 
 def _check_maps(maps: torch.Tensor, grid: TokenGrid) -> None:
