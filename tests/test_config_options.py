@@ -274,3 +274,6 @@ def test_the_schedulers_that_ended_with_the_run_follow_its_new_length():
     cfg = Config.fromfile(config)
     merge_options(cfg, {'train_cfg.max_epochs': 3, 'param_scheduler.1.end': 7})
     assert [scheduler['end'] for scheduler in cfg.param_scheduler] == [1, 7]
+    cfg = Config.fromfile(config)
+    merge_options(cfg, {'train_cfg.max_epochs': 1})  # as long as the warmup: the decay never starts
+    assert [(scheduler.get('begin', 0), scheduler['end']) for scheduler in cfg.param_scheduler] == [(0, 1), (1, 10)]

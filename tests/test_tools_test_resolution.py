@@ -232,9 +232,9 @@ def test_what_cannot_be_rewritten_is_an_error_naming_the_keys_to_set():
     assert str(refusal.value) == (
         "--img-size cannot rewrite this config's test data, a CheckedImageNet whose pipeline is [LoadImageFromFile, "
         "Resize, PackInputs]: it rewrites PositionalShapes (img_size), test pipelines that resize the short edge "
-        "(ResizeEdge) and crop the centre (CenterCrop), and those whose one sizing transform is a Resize without "
-        "keep_ratio or a RandomResizedCrop. Set the size by hand: --cfg-options "
-        "test_dataloader.dataset.pipeline.1.scale=...")
+        "(ResizeEdge) and crop the centre (CenterCrop), those whose one sizing transform is a Resize without "
+        "keep_ratio or a RandomResizedCrop, and those whose sizing keys the config links to img_size (square "
+        "sizes). Set the size by hand: --cfg-options test_dataloader.dataset.pipeline.1.scale=...")
     assert sizes.config_test_size(cfg) is None
 
 

@@ -113,7 +113,8 @@ def main(argv=None):
     option = None if args.img_size is None and args.extent is None else (
         f'--img-size {args.img_size[0]} {args.img_size[1]}' if args.extent is None else f'--extent {args.extent}')
     try:
-        result = evaluate_checkpoint(cfg, args.checkpoint, size=args.img_size, extent=args.extent, fp16=args.amp)
+        result = evaluate_checkpoint(cfg, args.checkpoint, size=args.img_size, extent=args.extent, fp16=args.amp,
+                                     asked_by=option or 'the test size')
     except (ValueError, ClassCountMismatch, TrainedClassesMismatch, EmptyImageFiles) as error:
         raise SystemExit(f'tools/test.py {args.config}: {error}') from None
     except MemoryError as error:

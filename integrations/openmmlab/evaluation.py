@@ -98,13 +98,15 @@ class Evaluation(NamedTuple):
 
 
 def evaluate_checkpoint(cfg: Config, checkpoint: Union[str, Path], *, size: Optional[Size] = None,
-                        extent: Optional[int] = None, fp16: bool = False) -> Evaluation:
+                        extent: Optional[int] = None, fp16: bool = False,
+                        asked_by: str = 'the test size') -> Evaluation:
     """The test metrics of ``checkpoint`` with ``cfg`` (overrides applied, ``work_dir`` set), its
     test images at ``size`` (height, width) or its PositionalRelations scenes on an ``extent`` x
     ``extent`` canvas, without fine-tuning; at the config's own test size where neither is given.
 
     A ValueError names a size it cannot rewrite the test data to; a MemoryError what cannot fit; the
-    class checks' errors stop it before the first batch."""
+    class checks' errors stop it before the first batch. ``asked_by``: what asked for the size, which
+    the log line that says what changed begins with (a tool's option)."""
     cfg = copy.deepcopy(cfg)
     cfg.load_from, cfg.resume = str(checkpoint), False
     # evaluation only: no training parts, so the runner neither locks nor writes the work_dir's files
@@ -118,7 +120,7 @@ def evaluate_checkpoint(cfg: Config, checkpoint: Union[str, Path], *, size: Opti
     tested_at = size if extent is None else (extent, extent)
     if tested_at is not None:
         check_test_fits(runner.model, tested_at, cfg.test_dataloader.batch_size, fp16=fp16)
-        runner.logger.info(f'{change}; the model as the config builds it, without fine-tuning')
+        runner.logger.info(f'{asked_by}: {change}; the model as the config builds it, without fine-tuning')
     runner.register_hook(TrainedClassesCheck())
     tested = TestedImageSizes()
     runner.register_hook(tested, priority='LOWEST')

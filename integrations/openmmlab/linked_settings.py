@@ -168,10 +168,13 @@ def _run_length(cfg: Config, key: str) -> Optional[Any]:
 
 def _schedules_end_with_the_run(cfg: Config, key: str, length: Optional[Any], options: Mapping[str, Any]) -> None:
     """Each parameter scheduler that ended with the run (its ``end`` was the run's ``length`` before
-    ``options`` changed ``key``) ends with it again, unless ``options`` set its end."""
+    ``options`` changed ``key``) ends with it again, unless ``options`` set its end. One that would
+    then end where it begins (a cosine after a warmup as long as the new run) keeps its end: it never
+    starts within the run."""
     schedulers = cfg.get('param_scheduler')
     schedulers = [schedulers] if isinstance(schedulers, Mapping) else list(schedulers or ())
+    new_length = config_value(cfg, key)
     for index, scheduler in enumerate(schedulers):
         if (length is not None and isinstance(scheduler, Mapping) and scheduler.get('end') == length
-                and f'param_scheduler.{index}.end' not in options):
-            scheduler['end'] = config_value(cfg, key)
+                and f'param_scheduler.{index}.end' not in options and new_length > scheduler.get('begin', 0)):
+            scheduler['end'] = new_length
