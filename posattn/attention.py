@@ -272,7 +272,8 @@ class Attention(nn.Module):
         if torch.compiler.is_compiling():
             return
         batch, heads, tokens, _ = q.shape
-        pair_terms = (2 * (batch if self.phi.bias_per_image else 1)) if self.phi.gives_logits_bias else 0
+        per_image = self.phi.bias_per_image or isinstance(grid, TokenPositions)  # images of other grids differ
+        pair_terms = (2 * (batch if per_image else 1)) if self.phi.gives_logits_bias else 0
         if materialised:
             pair_terms += 2 * batch
         nbytes = pair_terms * heads * tokens * tokens * q.element_size()

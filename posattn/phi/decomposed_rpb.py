@@ -27,9 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._cache import grid_constant
+from ..layout import ImageLayout
+from ..positions import TokenPositions, token_positions
 from ..grid import TokenGrid
 from .base import PositionalModule
 from .registry import register_phi
+from .resampling import distinct, stacked_resampling
 from .options import checked_count, checked_grid_prefix, checked_prefix_tokens
 from .rpb import checked_table_size
 
@@ -129,5 +132,46 @@ class DecomposedRelativePositionBias(PositionalModule):
         bias = (row_terms[..., :, None] + col_terms[..., None, :]).flatten(4).flatten(2, 3)  # (B, heads, HW, HW)
         return grid.pad_prefix(bias).to(q.dtype)
 
+    def logits_bias_at(self, q: torch.Tensor, k: torch.Tensor, positions: TokenPositions,
+                       **given: Any) -> torch.Tensor:
+        """b[h, i, j] on rows of images, from the queries q (I, heads, M, d): each query against the
+        offsets of its image's grid (the embeddings resampled to every distinct axis length of the layout
+        at once), read at each key's row and column offset; zero wherever a prefix token or padding is."""
+        checked_grid_prefix(positions, self.num_prefix_tokens, 'decomposed_rpb')
+        if q.shape[-1] != self.head_dim:
+            raise ValueError(f'decomposed_rpb built with head_dim={self.head_dim} got queries of {q.shape[-1]} '
+                             f'channels a head: build it with head_dim={q.shape[-1]}')
+        terms = []
+        for axis, embeddings in enumerate((self.rel_pos_h, self.rel_pos_w)):
+            resampling, offset_rows, pair_offsets = _layout_axis(positions.layout, positions.batch, axis,
+                                                                 embeddings.shape[0], embeddings.dtype, q.device)
+            per_image = (resampling @ embeddings)[offset_rows].to(q.dtype)  # (I, 2 L_max - 1, d): its image's offsets
+            lookup = q @ per_image[:, None].transpose(-2, -1)  # (I, heads, M, 2 L_max - 1)
+            terms.append(lookup.gather(-1, pair_offsets[:, None].expand(*q.shape[:3], -1)))  # (I, heads, M, M)
+        bias = terms[0] + terms[1]
+        return bias.masked_fill(~positions.grid_pairs()[:, None], 0.0)
+
     def settings(self) -> Dict[str, Any]:
         return {'head_dim': self.head_dim, 'table_size': self.table_size, 'num_prefix_tokens': self.num_prefix_tokens}
+
+
+@grid_constant(max_bytes=64 << 20)
+def _layout_axis(layout: ImageLayout, batch: int, axis: int, num_offsets: int, dtype: torch.dtype,
+                 device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What :meth:`DecomposedRelativePositionBias.logits_bias_at` reads along ``axis`` (0: rows, 1:
+    columns) of a layout's images, one a row; cached: the stacked linear resampling from
+    ``num_offsets`` learned offsets to each distinct 2L - 1 of the layout (S, num_offsets); for each
+    image the rows of its offsets, padded with its last, (I, 2 L_max - 1); and for every pair the
+    offset it reads along the axis, query minus key plus L - 1, (I, M, M) (0 off the grid)."""
+    lengths = [grid.height if axis == 0 else grid.width for grid in layout.grids]
+    sizes = distinct(2 * length - 1 for length in lengths)
+    resampling, starts = stacked_resampling(num_offsets, sizes, 'linear', dtype, torch.device('cpu'))
+    longest = max(sizes)
+    offsets = torch.arange(longest)
+    offset_rows = torch.stack([starts[sizes.index(2 * length - 1)] + offsets.clamp(max=2 * length - 2)
+                               for length in lengths])
+    positions = token_positions(layout, batch, torch.device('cpu'))
+    along = positions.offsets()[axis]
+    length = (positions.height if axis == 0 else positions.width)[:, :, None]  # (I, M, 1)
+    pair_offsets = torch.where(positions.grid_pairs(), along + length - 1, 0)
+    return resampling.to(device), offset_rows.to(device), pair_offsets.to(device)

@@ -40,6 +40,7 @@ from torch import nn
 
 from .._cache import grid_constant
 from ..grid import TokenGrid
+from ..positions import TokenPositions
 from .base import PositionalModule
 from .options import checked_count, checked_grid_prefix, checked_prefix_tokens
 from .registry import register_phi
@@ -173,6 +174,30 @@ class GatedPositionalAttention(PositionalModule):
         mixed = torch.lerp(attn, grid.pad_prefix(position.to(attn.dtype)), gates)  # (1 - g) A_c + g A_p, one pass
         if key_mask is None:  # both terms' rows sum to 1 already: timm's renormalisation changes rounding only
             return mixed
+        total = mixed.sum(-1, keepdim=True)  # < 1 where masking left a grid query no grid key
+        return mixed / total.masked_fill(total == 0, 1.0)
+
+    def mix_probabilities_at(self, attn: torch.Tensor, positions: TokenPositions, key_mask: torch.Tensor,
+                             **given: Any) -> torch.Tensor:
+        """A of the module docstring on rows of images, ``attn`` (I, heads, M, M): each grid query's
+        positional attention over the grid keys of its own image that ``key_mask`` (I, M) keeps, by
+        the offsets r_ij there; a prefix query keeps its content attention. Rows sum to 1 (0 for a
+        query with no key left)."""
+        checked_grid_prefix(positions, self.num_prefix_tokens, 'gpsa')
+        weight, bias = self.pos_proj.weight, self.pos_proj.bias
+        query_minus_key = positions.offsets()  # (dy, dx), each (I, M, M)
+        dy, dx = (-offset for offset in query_minus_key)  # r_ij is key minus query
+        channels = (dx.to(weight.dtype), dy.to(weight.dtype), (dx * dx + dy * dy).to(weight.dtype))
+        per_channel = weight[None, :, :, None, None]  # (1, heads, 3, 1, 1)
+        logits = sum(per_channel[:, :, c] * channels[c][:, None] for c in range(3))  # (I, heads, M, M)
+        logits = logits if bias is None else logits + bias[:, None, None]
+        grid_keys = key_mask & positions.is_grid  # (I, M)
+        has_grid_key = grid_keys.any(-1, keepdim=True)
+        kept = grid_keys | ~has_grid_key  # a row with no grid key keeps all, so its softmax stays finite
+        position = logits.masked_fill(~kept[:, None, None, :], float('-inf')).softmax(-1)
+        position = position.masked_fill(~has_grid_key[:, :, None, None], 0.0)
+        gates = self.gate[None, :, None, None] * positions.is_grid[:, None, :, None]  # (I, heads, M, 1): 0 at prefix
+        mixed = torch.lerp(attn, position.to(attn.dtype), gates.to(attn.dtype))
         total = mixed.sum(-1, keepdim=True)  # < 1 where masking left a grid query no grid key
         return mixed / total.masked_fill(total == 0, 1.0)
 
