@@ -243,7 +243,9 @@ class IRPE(PositionalModule):
         """One table's term; ids (L, L) indexed [query, key], or (I, L, L) one image a row."""
         ids = ids if ids.dim() == 3 else ids[None]  # (I or 1, L, L)
         if self.mode == 'bias':  # T_q is read at the mirrored offset id(j, i)
-            return table[:, ids.transpose(-2, -1) if on == 'q' else ids].transpose(0, 1)  # (I or 1, heads or 1, L, L)
+            pair_ids = ids.transpose(-2, -1) if on == 'q' else ids
+            bias = table.index_select(1, pair_ids.flatten())  # (heads or 1, I L L): one contiguous gather a head
+            return bias.view(-1, *pair_ids.shape).transpose(0, 1)  # (I or 1, heads or 1, L, L)
         batch, heads, tokens, _ = x.shape
         pair_ids = ids[:, None].expand(batch, heads, tokens, tokens)
         if on == 'v':

@@ -37,7 +37,7 @@ from ..positions import TokenPositions, token_positions
 from .base import PositionalModule
 from .options import checked_count, checked_grid_prefix, checked_pair, checked_prefix_tokens
 from .registry import register_phi
-from .resampling import distinct, stacked_resampling
+from .resampling import resampling_matrix
 
 __all__ = ['RelativePositionBias', 'relative_position_index', 'num_offsets', 'checked_table_size']
 
@@ -179,18 +179,18 @@ class RelativePositionBias(PositionalModule):
         """b[h, i, j] of every pair of an image's tokens, on rows of images: (I, heads, M, M) in q's dtype.
 
         The offset tables of all the layout's distinct grids are made at once, R_y T R_x^T with the
-        stacked resampling matrices of their sizes (:mod:`posattn.phi.resampling`), and every pair
-        reads its image's entry in one gather."""
+        resampling matrices of their sizes (:mod:`posattn.phi.resampling`) in one batched product, and
+        every pair reads its image's entry in one gather."""
         checked_grid_prefix(positions, self.num_prefix_tokens, 'rpb')
         table, (table_height, table_width) = self.learned_table()
-        along_y, along_x, y_rows, x_rows, pair_entry = _layout_entries(
-            positions.layout, positions.batch, (table_height, table_width), self.num_extra_entries, table.dtype,
-            q.device)
-        canvas = table[:num_offsets(table_height, table_width)].unflatten(0, (2 * table_height - 1, -1))  # (Y, X, h)
-        resampled_rows = torch.einsum('ya,axh->yxh', along_y, canvas)  # every distinct grid's rows
-        entries = torch.einsum('exh,ex->eh', resampled_rows[y_rows], along_x[x_rows])  # (E, heads)
+        along_y, along_x, pair_entry = _layout_entries(positions.layout, positions.batch, (table_height, table_width),
+                                                       self.num_extra_entries, table.dtype, q.device)
+        canvas = table[:num_offsets(table_height, table_width)].unflatten(0, (2 * table_height - 1, -1))  # (Y_t, X_t, h)
+        rows = torch.einsum('gya,axh->gyxh', along_y, canvas)  # (G, Y, X_t, h)
+        entries = torch.einsum('gyxh,gzx->gyzh', rows, along_x).flatten(0, 2)  # each distinct grid's table, (E, heads)
         flat = torch.cat([entries, table[table.shape[0] - self.num_extra_entries:], table.new_zeros(1, self.num_heads)])
-        return flat[pair_entry].permute(0, 3, 1, 2).to(q.dtype)  # (I, M, M, h) -> (I, heads, M, M)
+        bias = flat.t().index_select(1, pair_entry.flatten())  # (heads, I M M): one contiguous gather a head
+        return bias.view(-1, *pair_entry.shape).transpose(0, 1).to(q.dtype)  # (I, heads, M, M)
 
     def settings(self) -> Dict[str, Any]:
         return {'num_heads': self.num_heads, 'table_size': self.table_size, 'prefix_entries': self.prefix_entries,
@@ -202,30 +202,26 @@ def _layout_entries(layout: ImageLayout, batch: int, table_size: Tuple[int, int]
                     dtype: torch.dtype, device: torch.device) -> Tuple[torch.Tensor, ...]:
     """What :meth:`RelativePositionBias.logits_bias_at` reads for a layout; cached.
 
-    The stacked bicubic matrices from the table's 2H_t - 1 row offsets to each distinct 2H - 1 of the
-    layout (Y, 2H_t - 1), and likewise for columns (X, 2W_t - 1); for each entry of the distinct
-    grids' offset tables, grid by grid in row-major order, its row of each (E,); and for every pair of
-    a row of images the entry it reads (I, M, M): a grid pair its offset's, a pair with a prefix token
-    BEiT's extra entry E, E + 1 or E + 2 where there are extra entries, anything else the zero entry
-    after them."""
-    heights = distinct(2 * grid.height - 1 for grid in layout.images_by_grid())
-    widths = distinct(2 * grid.width - 1 for grid in layout.images_by_grid())
-    along_y, y_starts = stacked_resampling(2 * table_size[0] - 1, heights, 'bicubic', dtype, torch.device('cpu'))
-    along_x, x_starts = stacked_resampling(2 * table_size[1] - 1, widths, 'bicubic', dtype, torch.device('cpu'))
-    y_rows, x_rows, bases = [], [], []
-    for grid in layout.images_by_grid():
-        bases.append(sum(len(rows) for rows in y_rows))
-        y = y_starts[heights.index(2 * grid.height - 1)] + torch.arange(2 * grid.height - 1)
-        x = x_starts[widths.index(2 * grid.width - 1)] + torch.arange(2 * grid.width - 1)
-        y_rows.append(y.repeat_interleave(len(x)))
-        x_rows.append(x.repeat(len(y)))
-    y_rows, x_rows = torch.cat(y_rows), torch.cat(x_rows)
+    For each of the G distinct grids, the bicubic matrices from the table's 2H_t - 1 row offsets to
+    its 2H - 1, zero-padded to the largest, (G, Y, 2H_t - 1), and likewise for columns (G, X, 2W_t - 1),
+    so that R_y T R_x^T of every grid is one product, (G, Y, X, heads), E = G Y X entries; and for every
+    pair of a row of images the entry it reads (I, M, M): a grid pair its offset's in its image's
+    grid, a pair with a prefix token BEiT's extra entry E, E + 1 or E + 2 where there are extra entries,
+    anything else the zero entry after them."""
+    grids = tuple(layout.images_by_grid())
+    longest_y = 2 * max(grid.height for grid in grids) - 1
+    longest_x = 2 * max(grid.width for grid in grids) - 1
+    along_y = torch.zeros(len(grids), longest_y, 2 * table_size[0] - 1, dtype=torch.float64)
+    along_x = torch.zeros(len(grids), longest_x, 2 * table_size[1] - 1, dtype=torch.float64)
+    for index, grid in enumerate(grids):
+        along_y[index, :2 * grid.height - 1] = resampling_matrix(2 * table_size[0] - 1, 2 * grid.height - 1, 'bicubic')
+        along_x[index, :2 * grid.width - 1] = resampling_matrix(2 * table_size[1] - 1, 2 * grid.width - 1, 'bicubic')
     positions = token_positions(layout, batch, torch.device('cpu'))
     dy, dx = positions.offsets()
-    image_base = torch.tensor(bases)[positions.grid_id][:, None, None]  # (I, 1, 1)
     height, width = positions.height[:, :, None], positions.width[:, :, None]  # (I, M, 1): the image's grid
-    grid_entry = image_base + (dy + height - 1) * (2 * width - 1) + dx + width - 1
-    first_extra = len(y_rows)
+    image_grid = positions.grid_id[:, None, None]  # (I, 1, 1)
+    grid_entry = (image_grid * longest_y + dy + height - 1) * longest_x + dx + width - 1
+    first_extra = len(grids) * longest_y * longest_x
     query_grid, key_grid = positions.is_grid[:, :, None], positions.is_grid[:, None, :]
     query_prefix, key_prefix = positions.is_prefix[:, :, None], positions.is_prefix[:, None, :]
     zero_entry = torch.full_like(grid_entry, first_extra + num_extra_entries)
@@ -234,4 +230,4 @@ def _layout_entries(layout: ImageLayout, batch: int, table_size: Tuple[int, int]
         entry = torch.where(query_prefix & key_grid, first_extra, entry)
         entry = torch.where(query_grid & key_prefix, first_extra + 1, entry)
         entry = torch.where(query_prefix & key_prefix, first_extra + 2, entry)
-    return tuple(t.to(device) for t in (along_y, along_x, y_rows, x_rows, entry))
+    return along_y.to(device, dtype), along_x.to(device, dtype), entry.to(device)
