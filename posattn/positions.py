@@ -82,13 +82,26 @@ class TokenPositions:
         """(I, M, M) bool: both the query and the key are grid tokens of the row's image."""
         return self.is_grid[:, :, None] & self.is_grid[:, None, :]
 
+    @property
+    def rows_are_images(self) -> bool:
+        """Whether the layout is already one image a row, each from its first token, every row an
+        image's and no longer than the longest image (a NaFlex batch): gathering then moves nothing."""
+        layout = self.layout
+        return (self.batch == self.num_images and layout.length == self.length
+                and layout.rows == tuple(range(self.num_images)) and not any(layout.starts))
+
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """The layout's tokens (B, L, ...) as its images one a row, (I, M, ...). A padding token repeats
-        the last token of its image (a finite value, never attended to, its output dropped)."""
+        """The layout's tokens (B, L, ...) as its images one a row, (I, M, ...). A padding token is zero
+        where the rows are already the images, else it repeats the last token of its image: a finite
+        value, never attended to, its output dropped."""
+        if self.rows_are_images:
+            return x.masked_fill(~self.valid.view(*self.valid.shape, *(1,) * (x.dim() - 2)), 0)
         return x.flatten(0, 1)[self.index]
 
     def place(self, out: torch.Tensor) -> torch.Tensor:
         """Rows (I, M, C) put back in the layout, (B, L, C), zero at tokens of no image."""
+        if self.rows_are_images:
+            return out.masked_fill(~self.valid[..., None], 0)
         channels = out.shape[-1]
         flat = out.new_zeros(self.batch * self.layout.length, channels)
         flat = flat.index_copy(0, self.targets, out.reshape(-1, channels).index_select(0, self.sources))
