@@ -18,6 +18,11 @@ The resampling runs in the forward pass, so the learned table stays at its size 
 gradient of every grid; the extra entries are not resampled. The formulas, pair by pair:
 :func:`posattn.reference.relative_position_bias` and :func:`posattn.reference.bicubic_resize`.
 
+On a layout of images of different grids (:class:`~posattn.positions.TokenPositions`), bicubic
+resampling being separable, every distinct grid's offset table is R_y T R_x^T with its 1D resampling
+matrices (cached per layout), all in one batched product; each pair then reads its image's entry of
+that flat table by a cached per-pair index, in one gather: (I, heads, M, M).
+
 A model's own table becomes the Φp's as it is (:meth:`RelativePositionBias.of_table`, the same
 Parameter): ``swap_attention(model, phi='own')`` converts timm's Swin and BEiT tables so.
 """
@@ -189,8 +194,9 @@ class RelativePositionBias(PositionalModule):
         rows = torch.einsum('gya,axh->gyxh', along_y, canvas)  # (G, Y, X_t, h)
         entries = torch.einsum('gyxh,gzx->gyzh', rows, along_x).flatten(0, 2)  # each distinct grid's table, (E, heads)
         flat = torch.cat([entries, table[table.shape[0] - self.num_extra_entries:], table.new_zeros(1, self.num_heads)])
-        bias = flat.t().index_select(1, pair_entry.flatten())  # (heads, I M M): one contiguous gather a head
-        return bias.view(-1, *pair_entry.shape).transpose(0, 1).to(q.dtype)  # (I, heads, M, M)
+        flat = flat.t().to(q.dtype)  # (heads, E + extra + 1): the small table cast, not the gathered bias
+        bias = flat.index_select(1, pair_entry.flatten())  # (heads, I M M): one contiguous gather a head
+        return bias.view(-1, *pair_entry.shape).transpose(0, 1)  # (I, heads, M, M)
 
     def settings(self) -> Dict[str, Any]:
         return {'num_heads': self.num_heads, 'table_size': self.table_size, 'prefix_entries': self.prefix_entries,
