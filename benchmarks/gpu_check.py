@@ -18,6 +18,9 @@ or runs out of time is recorded and the next one runs:
   training step at batch 128 and 256, and inference.
 - dense fp32 / bf16 (``dense.py``): the windowed + global PerViT-T backbone at 800 x 1344, its time
   against Φp ``none`` and its peak memory.
+- native resolution bf16 (``native_resolution.py``): images of many grids in one batch, padded,
+  packed, image by image and on one shared grid, every Φp; naflex swap bf16 (``naflex_swap.py``):
+  a NaFlexViT training step, timm's model against its attention swapped for posattn's.
 - compiled bf16 (``models.py --compile``): the training steps of PerViT-T and DeiT-T compiled by
   ``torch.compile`` against eager, batch 128, and the time of the first compile.
 
@@ -93,12 +96,17 @@ def benchmark_sizes(device: torch.device, quick: bool) -> Dict[str, List[str]]:
                 'models': ['--size', '32', '--batch', '2', '--repeat', '1', '--warmup', '1'],
                 'dense': ['--sizes', '64x96', '--window-size', '3', '--batch', '1', '--repeat', '1',
                           '--warmup', '1'],
-                'compiled': ['--size', '32', '--batch', '2', '--repeat', '1', '--warmup', '1']}
+                'compiled': ['--size', '32', '--batch', '2', '--repeat', '1', '--warmup', '1'],
+                'native_resolution': ['--dim', '32', '--heads', '2', '--repeat', '1', '--batches', '8 images',
+                                      '--phis', 'none', 'rpb', 'peg'],
+                'naflex_swap': ['--dim', '32', '--depth', '1', '--heads', '2', '--images', '4', '--repeat', '1']}
     rounds = ['--repeat', '3', '--warmup', '1'] if quick else ['--repeat', '10', '--warmup', '3']
     return {'attention': ['--batch', '64', '--grids', '14', '28', '--repeat', '5' if quick else '15'],
             'models': ['--batch', '128', '256', *rounds],
             'dense': ['--sizes', '800x1344', '--batch', '2', '--repeat', '2' if quick else '3', '--warmup', '1'],
-            'compiled': ['--batch', '128', '--repeat', '5', '--warmup', '2']}
+            'compiled': ['--batch', '128', '--repeat', '5', '--warmup', '2'],
+            'native_resolution': ['--repeat', '5' if quick else '10'],
+            'naflex_swap': ['--images', '64', '--repeat', '5' if quick else '10']}
 
 
 def plan(device: torch.device, quick: bool, out: Path, tests: bool = True) -> List[Stage]:
@@ -117,6 +125,10 @@ def plan(device: torch.device, quick: bool, out: Path, tests: bool = True) -> Li
             extra = ['--no-gmac'] if script == 'models' else []
             stages.append(Stage(f'{script} {dtype}', [python, str(HERE / f'{script}.py'), *common, '--dtype', dtype,
                                                       *sizes[script], *extra], limit * slow_cpu))
+    for script, limit in (('native_resolution', 120), ('naflex_swap', 90)):  # images of many grids in one batch
+        stages.append(Stage(f'{script.replace("_", " ")} bf16', [
+            python, str(HERE / f'{script}.py'), '--device', str(device), '--out', str(out), '--dtype', 'bf16',
+            *sizes[script]], limit * slow_cpu))
     if not quick:
         stages.append(Stage('compiled bf16', [python, str(HERE / 'models.py'), *common, '--dtype', 'bf16', '--compile',
                                               '--no-gmac', '--no-memory', *sizes['compiled']], 300 * slow_cpu))

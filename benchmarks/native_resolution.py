@@ -1,24 +1,29 @@
-"""A batch of images at their own resolutions through the attention layer: padded, packed, and
-image by image, for a few Φp, side by side in one run.
+"""A batch of images at their own resolutions through the attention layer: padded, packed, image by
+image, and a batch of one shared grid, for every Φp, side by side in one run.
 
-    python benchmarks/native_resolution.py                 # fp32, CPU, 8 images, dim 128, 4 heads
+    python benchmarks/native_resolution.py                 # fp32, CPU, dim 128, 4 heads, both batches
     python benchmarks/native_resolution.py --device cuda --dtype bf16
 
-The batch holds 8 images of 7 grids of about 196 tokens each (14x14 twice, 10x20, 20x10, 12x16,
-16x12, 8x24, 24x8) and a class token. Each row times the layer's forward and backward (median of
-``--repeat`` rounds, the variants in turn) and its peak memory:
+Two batches, each image with a class token:
+
+- ``32 grids``: 32 images of 32 distinct grids of 190-208 tokens (14x14, 13x15, 15x13, 12x16, ...);
+- ``8 images``: 8 images of 7 grids of about 196 tokens (14x14 twice, 10x20, 20x10, 12x16, 16x12,
+  8x24, 24x8).
+
+Each row times the layer's forward and backward (median of ``--repeat`` rounds, the variants in
+turn) and its peak memory:
 
 - padded: one image a row, padded to the longest (:meth:`posattn.ImageLayout.padded`);
 - packed: the images one after another in one row (:meth:`posattn.ImageLayout.packed`);
 - image by image: the layer called once per image;
-- one grid: the same number of images all at 14x14, the single-grid batch, for scale.
+- one grid: as many images, all 14x14: the single-grid batch of about the same tokens.
 
 Prints the table and saves ``benchmarks/results/native-resolution-<device>-<dtype>.json``.
 """
 from __future__ import annotations
 
 import argparse
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -27,13 +32,26 @@ from common import add_out_argument, peak_memory_mb, print_table, save_json, tim
 from posattn import Attention, ImageLayout, TokenGrid
 
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16}
-GRIDS = [(14, 14), (10, 20), (20, 10), (12, 16), (14, 14), (16, 12), (8, 24), (24, 8)]
-PHIS = ('none', 'rpb', 'rope', 'peripheral')
+EIGHT = [(14, 14), (10, 20), (20, 10), (12, 16), (14, 14), (16, 12), (8, 24), (24, 8)]
+PHIS = ('none', 'rope', 'alibi', 'rpb', 'decomposed_rpb', 'irpe', 'gpsa', 'peg', 'peripheral')
 
 
-def steps(layer: Attention, args, autocast) -> Dict[str, Callable[[], None]]:
+def distinct_grids(count: int, tokens: int = 196, spread: int = 12) -> List[Tuple[int, int]]:
+    """``count`` distinct (H, W) with H * W within ``spread`` of ``tokens``, nearest first, then the
+    squarer: 14x14, 13x15, 15x13, ..."""
+    near = [(h, w) for h in range(4, tokens) for w in range(4, tokens) if abs(h * w - tokens) <= spread]
+    near.sort(key=lambda hw: (abs(hw[0] - hw[1]) + abs(hw[0] * hw[1] - tokens), hw))
+    if len(near) < count:
+        raise ValueError(f'only {len(near)} grids within {spread} tokens of {tokens}')
+    return near[:count]
+
+
+BATCHES = {'32 grids': distinct_grids(32), '8 images': EIGHT}
+
+
+def steps(layer: Attention, sizes: Sequence[Tuple[int, int]], args, autocast) -> Dict[str, Callable[[], None]]:
     """fwd+bwd of each variant on the same images (tokens and upstream gradient)."""
-    grids = [TokenGrid(height, width, 1) for height, width in GRIDS]
+    grids = [TokenGrid(height, width, 1) for height, width in sizes]
     images = [torch.randn(grid.num_tokens, args.dim, device=args.device) for grid in grids]
     upstream = [torch.randn_like(image) for image in images]
 
@@ -61,7 +79,7 @@ def steps(layer: Attention, args, autocast) -> Dict[str, Callable[[], None]]:
             out.backward(grad[None])
 
     one_grid = TokenGrid(14, 14, 1)
-    square = torch.randn(len(GRIDS), one_grid.num_tokens, args.dim, device=args.device, requires_grad=True)
+    square = torch.randn(len(grids), one_grid.num_tokens, args.dim, device=args.device, requires_grad=True)
     square_grad = torch.randn_like(square)
 
     def single_grid():
@@ -70,22 +88,26 @@ def steps(layer: Attention, args, autocast) -> Dict[str, Callable[[], None]]:
         out.backward(square_grad)
 
     return {'padded': in_layout(ImageLayout.padded(grids, 1)), 'packed': in_layout(ImageLayout.packed(grids, 1)),
-            'image by image': image_by_image, 'one grid (14x14)': single_grid}
+            'image by image': image_by_image, 'one grid': single_grid}
 
 
 def run(args) -> List[dict]:
     rows = []
-    for phi in PHIS:
-        layer = Attention(args.dim, args.heads, phi=phi, num_prefix_tokens=1).to(args.device)
+    for batch in args.batches:
+        for phi in args.phis:
+            torch.manual_seed(0)
+            layer = Attention(args.dim, args.heads, phi=phi, num_prefix_tokens=1).to(args.device)
 
-        def autocast():
-            return torch.autocast(args.device.type, dtype=DTYPES[args.dtype], enabled=args.dtype != 'fp32')
-        variants = steps(layer, args, autocast)
-        times = time_interleaved(variants, repeat=args.repeat, device=args.device)
-        for name, step in variants.items():
-            rows.append({'Φp': phi, 'variant': name, 'ms': times[name],
-                         'vs padded': times[name] / times['padded'],
-                         'MiB': peak_memory_mb(step, args.device)})
+            def autocast():
+                return torch.autocast(args.device.type, dtype=DTYPES[args.dtype], enabled=args.dtype != 'fp32')
+            variants = steps(layer, BATCHES[batch], args, autocast)
+            times = time_interleaved(variants, repeat=args.repeat, device=args.device)
+            memory = {name: peak_memory_mb(step, args.device) for name, step in variants.items()}
+            for name in variants:
+                rows.append({'batch': batch, 'Φp': phi, 'variant': name, 'ms': times[name],
+                             'vs one grid': times[name] / times['one grid'], 'MiB': memory[name],
+                             'MiB vs one grid': memory[name] / memory['one grid'],
+                             'one call': layer.phi.runs_on_token_positions})
     return rows
 
 
@@ -96,15 +118,16 @@ def main() -> None:
     parser.add_argument('--dim', type=int, default=128)
     parser.add_argument('--heads', type=int, default=4)
     parser.add_argument('--repeat', type=int, default=15)
+    parser.add_argument('--phis', nargs='+', default=list(PHIS), choices=PHIS)
+    parser.add_argument('--batches', nargs='+', default=list(BATCHES), choices=list(BATCHES))
     add_out_argument(parser)
     args = parser.parse_args()
-    torch.manual_seed(0)
     rows = run(args)
-    print(f'{len(GRIDS)} images of {len(set(GRIDS))} grids, dim={args.dim} heads={args.heads} {args.dtype} '
-          f'on {args.device}, {torch.get_num_threads()} threads, torch {torch.__version__}')
-    print_table(rows, ['Φp', 'variant', 'ms', 'vs padded', 'MiB'])
+    print(f'dim={args.dim} heads={args.heads} {args.dtype} on {args.device}, {torch.get_num_threads()} threads, '
+          f'torch {torch.__version__}; 32 grids: {BATCHES["32 grids"]}')
+    print_table(rows, ['batch', 'Φp', 'variant', 'one call', 'ms', 'vs one grid', 'MiB', 'MiB vs one grid'])
     path = save_json(f'native-resolution-{args.device.type}-{args.dtype}', {'settings': {
-        'grids': GRIDS, 'dim': args.dim, 'heads': args.heads, 'dtype': args.dtype,
+        'batches': BATCHES, 'dim': args.dim, 'heads': args.heads, 'dtype': args.dtype,
         'device': str(args.device), 'repeat': args.repeat}, 'rows': rows}, folder=args.out)
     print(f'saved {path}')
 

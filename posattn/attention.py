@@ -13,6 +13,9 @@ from .grid import GridLike, TokenGrid
 from .layout import ImageLayout
 from .phi import PhiStack, PositionalModule, build_layer_phi
 from .phi.registry import PhiOptions, PhiSpec
+from .positions import TokenPositions, token_positions
+
+Where = Union[TokenGrid, TokenPositions]
 
 __all__ = ['Attention', 'LogitsProbe']
 
@@ -20,14 +23,15 @@ class LogitsProbe(nn.Module):
     """Where the layer's attention logits can be observed: called with (q, k, bias, grid), computes nothing.
 
     ``q``, ``k``: (B, heads, N, head_dim), unscaled; ``bias``: Φp's logits bias or None; ``grid``:
-    the :class:`TokenGrid` of the N tokens; ``key_mask``: the layer's key mask or None, and
+    the :class:`TokenGrid` of the N tokens (or, on images of different grids run as rows, their
+    :class:`~posattn.positions.TokenPositions`); ``key_mask``: the layer's key mask or None, and
     ``attn_mask``: an additive mask of the logits that is not positional (Swin's shift mask in a
     swapped Swin) or None, both passed by keyword (a hook registered ``with_kwargs=True`` sees
     them). A forward hook on it sees exactly what the layer's softmax uses, whatever called the
     layer (``posattn.analysis`` reads attention maps this way).
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor], grid: TokenGrid,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor], grid: 'Where',
                 key_mask: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None) -> None:
         return None
 
@@ -121,7 +125,7 @@ class Attention(nn.Module):
                 **call_inputs: Any) -> torch.Tensor:
         """x: (B, N, C) with N = num_prefix_tokens + H * W; hw: (H, W) or a TokenGrid. Or, for images
         of different grids in one tensor, x: (B, L, C) and hw: an :class:`~posattn.layout.ImageLayout`
-        (padded or packed): each image attends within itself as it would alone (:meth:`_forward_per_image`).
+        (padded or packed): each image attends within itself as it would alone (:meth:`forward_layout`).
 
         ``key_mask``: None, or a bool (B, N) that is False for keys no query may attend to (padding
         tokens of windowed attention). A sequence with no key left attends to nothing: its
@@ -129,25 +133,36 @@ class Attention(nn.Module):
         ``call_inputs``: what the Φp reads that it does not own, declared as its ``call_inputs``
         (PerViT's ``distance_embedding=``), passed on to its hooks.
         """
-        if isinstance(hw, ImageLayout):
-            return self._forward_per_image(x, hw, key_mask, **call_inputs)
-        grid = self.grid_of(x, hw)
         given = self.given(call_inputs)
+        if isinstance(hw, ImageLayout):
+            return self.forward_layout(x, hw, key_mask, given)
+        return self.forward_tokens(x, self.grid_of(x, hw), key_mask, given)
+
+    def forward_tokens(self, x: torch.Tensor, where: Where, key_mask: Optional[torch.Tensor],
+                       given: Mapping[str, Any]) -> torch.Tensor:
+        """The layer on tokens (B, N, C) of one grid, or on rows of images (I, M, C) with their
+        :class:`~posattn.positions.TokenPositions`; ``given``: the Φp's call inputs (:meth:`given`)."""
         if self.phi.contributes('tokens'):
-            x = self.phi.tokens(x, grid, **given)
+            x = self.phi.tokens(x, where, **given)
         if self.content:
             q, k, v = self.split_heads(self.qkv(x))
         else:
             v = rearrange(self.v(x), 'b n (h d) -> b h n d', h=self.num_heads)
             q = k = self._no_content(v)
-        out = self.attend(q, k, v, grid, key_mask, given=given)
+        out = self.attend(q, k, v, where, key_mask, given=given)
         return self.proj_drop(self.proj(out))
 
-    def _forward_per_image(self, x: torch.Tensor, layout: ImageLayout, key_mask: Optional[torch.Tensor],
-                           **call_inputs: Any) -> torch.Tensor:
-        """The layer on a batch of images of different grids: the images of each distinct grid are
-        gathered into one batch (images, N, C), run through the single-grid path, and put back in
-        place. (B, L, C) -> (B, L, C), zero at tokens of no image; ``key_mask`` (B, L) as the layout."""
+    def forward_layout(self, x: torch.Tensor, layout: ImageLayout, key_mask: Optional[torch.Tensor],
+                       given: Mapping[str, Any]) -> torch.Tensor:
+        """The layer on a batch of images of different grids, (B, L, C) -> (B, L, C), zero at tokens of
+        no image; ``key_mask`` (B, L) as the layout.
+
+        Where the Φp computes its terms from per-token positions
+        (:attr:`~posattn.phi.PositionalModule.runs_on_token_positions`), the images are gathered one a
+        row and attention runs once over them, the padding of each row masked
+        (:mod:`posattn.positions`); otherwise the images of each distinct grid are gathered into one
+        batch and run on their grid. Either way :meth:`forward_tokens` computes, once per call or once
+        per grid."""
         self.check_layout(x, layout)
         if key_mask is not None and not (isinstance(key_mask, torch.Tensor) and key_mask.dtype == torch.bool
                                          and key_mask.shape == x.shape[:2]):
@@ -155,9 +170,13 @@ class Attention(nn.Module):
                    else f'a {type(key_mask).__name__}')
             raise ValueError(f'key_mask must be a bool tensor of shape (B, L) = {tuple(x.shape[:2])}, as the '
                              f'tokens, got {got}')
-        return layout.per_grid(x, lambda group: self(
+        if self.phi.runs_on_token_positions:
+            positions = token_positions(layout, x.shape[0], x.device)
+            keys = positions.valid if key_mask is None else positions.valid & positions.gather(key_mask)
+            return positions.place(self.forward_tokens(positions.gather(x), positions, keys, given))
+        return layout.per_grid(x, lambda group: self.forward_tokens(
             layout.gather(x, group), group.grid, None if key_mask is None else layout.gather(key_mask, group),
-            **call_inputs), self.proj.out_features)
+            given), self.proj.out_features)
 
     def check_layout(self, x: torch.Tensor, layout: ImageLayout) -> None:
         """Raise a ValueError unless ``x`` (B, L, C) holds ``layout``'s images with this layer's prefix tokens."""
@@ -201,7 +220,7 @@ class Attention(nn.Module):
         q, k, v = rearrange(qkv, 'b n (three h d) -> three b h n d', three=3, h=self.num_heads).unbind(0)
         return self.q_norm(q), self.k_norm(k), v
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: TokenGrid,
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: Where,
                key_mask: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None, *,
                given: Optional[Mapping[str, Any]] = None) -> torch.Tensor:
         """softmax(q k^T / sqrt(d) + Φp's bias + attn_mask) v (+ Φp's value term), heads merged:
@@ -209,26 +228,29 @@ class Attention(nn.Module):
         :meth:`~posattn.phi.PositionalModule.queries_keys` first, and the probabilities its
         :meth:`~posattn.phi.PositionalModule.mix_probabilities`.
 
-        ``attn_mask``: an additive mask of the logits, broadcastable to (B, heads, N, N), that is not
-        positional (Swin's shift mask, -100 between regions a shifted window joins), or None; every
-        positional term is the Φp's. ``given``: the call inputs the Φp declared (:meth:`given`),
-        passed on to its hooks.
+        ``where``: the :class:`TokenGrid` of the N tokens, or the
+        :class:`~posattn.positions.TokenPositions` of rows of images, whose Φp hooks are then the
+        ``_at`` forms. ``attn_mask``: an additive mask of the logits, broadcastable to (B, heads, N, N),
+        that is not positional (Swin's shift mask, -100 between regions a shifted window joins), or
+        None; every positional term is the Φp's. ``given``: the call inputs the Φp declared
+        (:meth:`given`), passed on to its hooks.
         """
         given = given or {}
+        phi = self.phi
         materialised = self._materialises_probabilities()
-        self._check_memory(q, grid, materialised)
-        if self.phi.transforms_queries_keys:
-            q, k = self.phi.queries_keys(q, k, grid, **given)
-        phi_bias = self.phi.logits_bias(q, k, grid, **given) if self.phi.gives_logits_bias else None
-        self.logits_probe(q, k, phi_bias, grid, key_mask=key_mask, attn_mask=attn_mask)
+        self._check_memory(q, where, materialised)
+        if phi.transforms_queries_keys:
+            q, k = phi.hook('queries_keys', where)(q, k, where, **given)
+        phi_bias = phi.hook('logits_bias', where)(q, k, where, **given) if phi.gives_logits_bias else None
+        self.logits_probe(q, k, phi_bias, where, key_mask=key_mask, attn_mask=attn_mask)
         bias = phi_bias if attn_mask is None else attn_mask if phi_bias is None else phi_bias + attn_mask
         if materialised:
             attn = attention_probs(q, k, bias, key_mask)
-            if self.phi.mixes_probabilities:
-                attn = self.phi.mix_probabilities(attn, grid, key_mask, **given)
+            if phi.mixes_probabilities:
+                attn = phi.hook('mix_probabilities', where)(attn, where, key_mask, **given)
             attn = self.attn_drop(attn)
             out = attn @ v
-            value_term = self.phi.value_term(attn, grid, **given) if self.phi.contributes('value_term') else None
+            value_term = phi.hook('value_term', where)(attn, where, **given) if phi.contributes('value_term') else None
             if value_term is not None:
                 out = out + value_term
         else:
@@ -241,7 +263,7 @@ class Attention(nn.Module):
         return (self.phi.needs_probabilities
                 or (self.training and self.attn_drop.p > 0))
 
-    def _check_memory(self, q: torch.Tensor, grid: TokenGrid, materialised: bool) -> None:
+    def _check_memory(self, q: torch.Tensor, grid: Where, materialised: bool) -> None:
         """Fail before the work when the (heads, N, N) terms this call needs cannot fit: a
         positional bias (and its computation, about as large again; once per image for a bias that
         depends on the tokens), and the attention
@@ -250,7 +272,8 @@ class Attention(nn.Module):
         if torch.compiler.is_compiling():
             return
         batch, heads, tokens, _ = q.shape
-        pair_terms = (2 * (batch if self.phi.bias_per_image else 1)) if self.phi.gives_logits_bias else 0
+        per_image = self.phi.bias_per_image or isinstance(grid, TokenPositions)  # images of other grids differ
+        pair_terms = (2 * (batch if per_image else 1)) if self.phi.gives_logits_bias else 0
         if materialised:
             pair_terms += 2 * batch
         nbytes = pair_terms * heads * tokens * tokens * q.element_size()

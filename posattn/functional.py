@@ -177,7 +177,9 @@ class _BiasedAttention(torch.autograd.Function):
         grad_q = torch.empty_like(q) if need_q else None
         grad_k = torch.zeros_like(k) if need_k else None
         grad_v = torch.zeros_like(v) if need_v else None
-        grad_bias = torch.zeros_like(bias) if need_bias else None
+        # a bias of every (image, head) gets each tile's gradient as it is: written, never summed
+        whole_bias = tuple(bias.shape) == (batch, heads, tokens, tokens)
+        grad_bias = None if not need_bias else torch.empty_like(bias) if whole_bias else torch.zeros_like(bias)
         for bs, hs, rs in _tiles(batch, heads, tokens):
             qb, kb, vb, gob = scaled_q[bs, hs, rs], k[bs, hs], v[bs, hs], grad_out[bs, hs, rs]
             bias_index = _bias_slice(bias, bs, hs, rs)
@@ -191,7 +193,9 @@ class _BiasedAttention(torch.autograd.Function):
             grad_logits = gob @ vb.transpose(-2, -1)  # dP
             grad_logits.sub_(delta[bs, hs, rs]).mul_(probs)  # dS
             del probs
-            if need_bias:
+            if need_bias and whole_bias:
+                grad_bias[bias_index] = grad_logits
+            elif need_bias:
                 grad_bias[bias_index] += grad_logits.sum_to_size(grad_bias[bias_index].shape)
             if need_q:
                 grad_q[bs, hs, rs] = (grad_logits @ kb).mul_(scale)

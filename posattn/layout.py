@@ -11,11 +11,17 @@ image at its own resolution and aspect ratio hold images of different grids in o
 
 :class:`ImageLayout` places image i, of grid g_i, at row r_i and tokens s_i .. s_i + N_i - 1; both
 forms, and rows that pack several images beside rows of one, are such placements. A layer given a
-layout attends within each image as it would on that image alone: images of one grid are gathered
-into one batch, the layer runs its single-grid path on it, and the outputs are put back in place.
-Every Φp therefore sees exactly the grid of each image, a bias that does not depend on the tokens is
-computed once per distinct grid of the batch, and no token outside an image (padding, another image)
-is attended to or changed: the layer's output there is zero.
+layout attends within each image as it would on that image alone, in one of two ways:
+
+- where its Φp computes every term from per-token positions (none, rope, alibi, rpb,
+  decomposed_rpb, irpe, gpsa and stacks of them), the images are gathered one a row and attention
+  runs once over them with each row's padding masked (:mod:`posattn.positions`);
+- where its Φp needs each image's grid as a 2D canvas (peg, peripheral), the images of each grid are
+  gathered into one batch, the layer runs its single-grid path on it, and the outputs are put back
+  (:meth:`ImageLayout.per_grid`).
+
+No token outside an image (padding, another image) is attended to or changed: the layer's output
+there is zero.
 """
 from __future__ import annotations
 

@@ -48,8 +48,8 @@ def test_position_cache_example():
 
 
 def test_native_resolution_example():
-    """docs/models.md's block as written: a list of images gives each image's logits alone, and the
-    layouts' shapes are those its comments give."""
+    """docs/models.md's block as written: a list of images gives each image's logits alone, the NaFlex
+    batch gives the padded layout of the images' grids, and the shapes are those its comments give."""
     (example,) = [block for block in python_blocks(DOCS / 'models.md') if 'ImageLayout' in block]
     namespace = {}
     torch.manual_seed(0)
@@ -58,9 +58,10 @@ def test_native_resolution_example():
         model, images = namespace['model'].eval(), namespace['images']
         alone = torch.cat([model(image[None]) for image in images])
         torch.testing.assert_close(model(images), alone, rtol=0, atol=1e-5)
-    assert namespace['logits'].shape == (3, 10) and namespace['x'].shape == (3, 141, 64)
-    assert [tuple(t.shape) for t in namespace['per_image']] == [(141, 64), (85, 64), (65, 64)]
-    assert namespace['out'].shape == (1, 291, 64)
+    layout = namespace['layout']
+    assert [(grid.height, grid.width) for grid in layout.grids] == [
+        (image.shape[1] // 16, image.shape[2] // 16) for image in images]
+    assert namespace['logits'].shape == (3, 10) and namespace['x'].shape == (3, 141, 192)
 
 
 def test_quickstart_example_runs():

@@ -97,7 +97,8 @@ def test_the_gpu_plan_measures_what_the_docs_report(tmp_path):
     cuda = torch.device('cuda')
     stages = gpu_check.plan(cuda, quick=False, out=tmp_path)
     assert [s.name for s in stages] == ['tests', 'attention fp32', 'attention bf16', 'models fp32', 'models bf16',
-                                        'dense fp32', 'dense bf16', 'compiled bf16']
+                                        'dense fp32', 'dense bf16', 'native resolution bf16', 'naflex swap bf16',
+                                        'compiled bf16']
     tests = stage(stages, 'tests')
     assert '--device cuda' in tests and f'--junitxml={tmp_path / "tests-cuda.xml"}' in tests
     assert stages[0].command.count('-m') == 1  # python -m pytest, every test: the slow ones too
@@ -105,6 +106,7 @@ def test_the_gpu_plan_measures_what_the_docs_report(tmp_path):
     assert '--batch 128 256' in stage(stages, 'models bf16') and '--sizes 800x1344' in stage(stages, 'dense fp32')
     assert '--compile' in stage(stages, 'compiled bf16') and '--dtype bf16' in stage(stages, 'compiled bf16')
     assert all(f'--out {tmp_path}' in ' '.join(s.command) for s in stages[1:])
+    assert '--dtype bf16' in stage(stages, 'native resolution bf16') and '--images 64' in stage(stages, 'naflex swap bf16')
     quick = gpu_check.plan(cuda, quick=True, out=tmp_path)
     assert [s.name for s in quick] == [s.name for s in stages[:-1]]
     assert "not environment and not slow" in stage(quick, 'tests')
@@ -215,10 +217,11 @@ def table_cells(text):
 @pytest.mark.slow
 def test_the_kit_runs_on_the_cpu_and_report_writes_its_figures(cpu_run, tmp_path):
     summary = json.loads((cpu_run / 'summary.json').read_text())
-    assert [s['status'] for s in summary['stages']] == ['passed'] * 6
+    assert [s['status'] for s in summary['stages']] == ['passed'] * 8
     for dtype in ('fp32', 'bf16'):
         for script in ('attention', 'models', 'dense'):
             assert (cpu_run / f'{script}-cpu-{dtype}.json').exists()
+    assert (cpu_run / 'native-resolution-cpu-bf16.json').exists() and (cpu_run / 'naflex-swap-cpu-bf16.json').exists()
     doc = REPO / 'docs' / 'performance.md'
     page = tmp_path / 'performance.md'
     shutil.copy(doc, page)

@@ -15,7 +15,11 @@ LAYOUTS = {'padded': ImageLayout.padded, 'packed': ImageLayout.packed}
 # Configurations beyond each Φp's default whose hooks differ: iRPE's contextual terms on q, k and v,
 # and stacks of two Φp.
 PHIS = [(name, None) for name in posattn.list_phis()] + [
-    ('irpe', dict(mode='ctx', on='qkv')), (['rope', 'rpb'], None), (['peg', 'irpe'], None)]
+    ('irpe', dict(mode='ctx', on='qkv')), (['rope', 'rpb'], None), (['peg', 'irpe'], None),
+    ('irpe', dict(mode='bias', method='cross', on='qk')), ('irpe', dict(mode='ctx', method='euc', on='v')),
+    ('rope', dict(frequencies='mixed', reference_grid=(3, 5), position_offset=1, axis_order='xy', pairing='halves')),
+    ('rpb', dict(table_size=(2, 3))), ('rpb', dict(table_size=(4, 2), prefix_entries=False)),
+    ('decomposed_rpb', dict(table_size=(3, 2))), ('alibi', None), (['alibi', 'gpsa'], None)]
 
 
 def layer_with(phi, phi_cfg, num_prefix_tokens):
@@ -82,8 +86,10 @@ def test_padding_and_other_images_are_never_read(form):
         torch.testing.assert_close(layout.images(moved)[image], layout.images(out)[image], rtol=0, atol=0)
 
 
-def test_a_key_mask_applies_within_each_image():
-    layer = layer_with('rpb', None, 1)
+@pytest.mark.parametrize('phi,phi_cfg', [('rpb', None), ('gpsa', None), ('irpe', dict(mode='ctx', on='qkv')),
+                                         ('rope', None), ('decomposed_rpb', None), ('peripheral', None)], ids=str)
+def test_a_key_mask_applies_within_each_image(phi, phi_cfg):
+    layer = layer_with(phi, phi_cfg, 1)
     layout = ImageLayout.padded(GRIDS, 1)
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(layout.num_rows, layout.length, 8, generator=generator, dtype=torch.float64)
@@ -96,7 +102,9 @@ def test_a_key_mask_applies_within_each_image():
 
 
 def test_a_bias_of_the_grid_alone_is_computed_once_per_distinct_grid(monkeypatch):
-    layer = layer_with('rpb', None, 0)
+    """Where a Φp runs once per distinct grid (it needs each grid as a canvas), its bias is made once
+    for each grid, whatever the number of images of that grid."""
+    layer = layer_with('peripheral', None, 0)
     calls = []
     compute = layer.phi.position_bias
     monkeypatch.setattr(layer.phi, 'position_bias', lambda grid, *args, **kwargs: calls.append(grid)
@@ -140,7 +148,8 @@ def test_bad_layouts_and_inputs_are_refused_with_the_reason():
 def test_models_take_a_list_of_images_for_inference_and_training(name, options):
     """Logits and every parameter's gradient of a list of images of three sizes (two alike) equal
     those of the images run one by one (float64; in eval mode, where neither drop path nor
-    BatchNorm depends on the batch), and a training step on a list runs."""
+    BatchNorm depends on the batch), and a training step on a list runs (PerViT's BatchNorm needs
+    ``min_images_per_size`` images of each size)."""
     model = posattn.create_model(name, num_classes=4, **options).double().eval()
     generator = torch.Generator().manual_seed(0)
     sizes = [(48, 80), (80, 32), (48, 80), (64, 64)]
@@ -161,6 +170,7 @@ def test_models_take_a_list_of_images_for_inference_and_training(name, options):
     with pytest.raises(TypeError, match=r'forward_intermediates takes one batch \(B, C, H, W\): features of images '
                                         r'of different sizes do not stack. Give the list to the model itself'):
         model.forward_intermediates(images)
-    loss = torch.nn.functional.cross_entropy(model.train()(images), torch.tensor([0, 1, 2, 3]))
+    images = images * getattr(model, 'min_images_per_size', 1)
+    loss = torch.nn.functional.cross_entropy(model.train()(images), torch.arange(len(images)) % 4)
     loss.backward()
     assert torch.isfinite(loss) and all(param.grad is not None for param in params)

@@ -7,6 +7,8 @@
 - :class:`BlockStackApi`: the blocks, all on one token grid: the block loop (``iter_blocks``,
   gradient checkpointing), ``forward_features``, ``forward_intermediates`` and
   ``prune_intermediate_layers``.
+- :class:`LayoutStackApi`: a block stack whose blocks take an :class:`~posattn.layout.ImageLayout`
+  in place of the grid: a list of images of different sizes runs through it in one call.
 """
 from __future__ import annotations
 
@@ -16,12 +18,14 @@ import torch
 import torch.utils.checkpoint
 from einops import rearrange
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from ..grid import TokenGrid
-from ..layout import run_by_size
+from ..layout import ImageLayout, run_by_size
 from .registry import load_checkpoint
 
-__all__ = ['BlockStackApi', 'ClassifierApi', 'resolve_block_indices', 'take_indices', 'tokens_as_map']
+__all__ = ['BlockStackApi', 'ClassifierApi', 'LayoutStackApi', 'images_by_size', 'resolve_block_indices',
+           'take_indices', 'tokens_as_map']
 
 OUTPUT_FMTS = ('NCHW', 'NLC')
 Intermediate = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
@@ -69,6 +73,21 @@ def _intermediate(tokens: torch.Tensor, grid: TokenGrid, output_fmt: str, return
     return (spatial, prefix) if return_prefix_tokens else spatial
 
 
+def images_by_size(images: Sequence[torch.Tensor]) -> Dict[Tuple[int, ...], List[int]]:
+    """The positions in ``images``, a list of images (C, H, W), of the images of each shape, shapes in
+    the order they first appear; a TypeError or ValueError, as :func:`posattn.layout.run_by_size`
+    gives, for anything but a non-empty list of such tensors."""
+    if isinstance(images, torch.Tensor) or not len(images):
+        raise TypeError('expected a list of images (C, H, W), one per image, of any sizes')
+    if not all(isinstance(image, torch.Tensor) and image.dim() == 3 for image in images):
+        shapes = [tuple(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__ for image in images]
+        raise ValueError(f'each image of a list must be a tensor (C, H, W), got {shapes}')
+    by_size: Dict[Tuple[int, ...], List[int]] = {}
+    for index, image in enumerate(images):
+        by_size.setdefault(tuple(image.shape), []).append(index)
+    return by_size
+
+
 def _refuse_image_list(x: Any, method: str) -> None:
     """A TypeError naming what to do where ``method``, which returns features, is given a list of images."""
     if isinstance(x, (list, tuple)):
@@ -84,12 +103,17 @@ class ClassifierApi:
     def forward(self, x: Union[torch.Tensor, Sequence[torch.Tensor]]) -> torch.Tensor:
         """Images (B, C, H, W) -> ``forward_head(forward_features(x))``: logits (B, num_classes).
 
-        Or a list of images (C, H_i, W_i) of different sizes, each at its own resolution: the images
-        of each size run as one batch (:func:`posattn.layout.run_by_size`), and the logits
-        (len(x), num_classes) are each image's alone, in the list's order."""
+        Or a list of images (C, H_i, W_i) of different sizes, each at its own resolution:
+        :meth:`forward_image_list`."""
         if isinstance(x, (list, tuple)):
-            return run_by_size(self.forward, x)
+            return self.forward_image_list(x)
         return self.forward_head(self.forward_features(x))
+
+    def forward_image_list(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Images (C, H_i, W_i) of different sizes -> logits (len(images), num_classes), each image's as
+        the image alone gives them, in the list's order. Here the images of each size run as one
+        batch (:func:`posattn.layout.run_by_size`); a :class:`LayoutStackApi` runs them all at once."""
+        return run_by_size(self.forward, images)
 
     def get_classifier(self) -> nn.Module:
         return self.head
@@ -134,10 +158,12 @@ class BlockStackApi:
         """Recompute each block in the backward pass instead of keeping its activations."""
         self.grad_checkpointing = enable
 
-    def iter_blocks(self, x: torch.Tensor, grid: TokenGrid,
+    def iter_blocks(self, x: torch.Tensor, grid: Union[TokenGrid, ImageLayout],
                     num_blocks: Optional[int] = None) -> Iterator[Tuple[int, torch.Tensor]]:
         """Runs the first ``num_blocks`` blocks (all by default) on tokens ``x`` (B, N, C) of
-        ``grid``, each followed by ``_after_block``, yielding (block index, tokens) after each.
+        ``grid`` (or, where the blocks take one, on images of different grids (B, L, C) placed by an
+        :class:`~posattn.layout.ImageLayout`), each followed by ``_after_block``, yielding (block
+        index, tokens) after each.
         With gradient checkpointing on and gradients enabled, each block (not ``_after_block``) is
         recomputed in the backward pass (``torch.utils.checkpoint``, non-reentrant)."""
         inputs = self._block_inputs()
@@ -154,7 +180,7 @@ class BlockStackApi:
         blocks pass on to their attention's Φp (PerViT's ``distance_embedding``); none by default."""
         return {}
 
-    def _after_block(self, index: int, x: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
+    def _after_block(self, index: int, x: torch.Tensor, grid: Union[TokenGrid, ImageLayout]) -> torch.Tensor:
         return x
 
     def _keep_blocks(self, num_blocks: int) -> None:
@@ -211,3 +237,63 @@ class BlockStackApi:
         if prune_head:
             self.reset_classifier(0, '')
         return wanted
+
+
+class LayoutStackApi(BlockStackApi):
+    """A :class:`BlockStackApi` whose blocks take an :class:`~posattn.layout.ImageLayout` in place of
+    the grid (``block(x, layout)``: per-token layers and :class:`posattn.Attention`, no convolution
+    over the grid and no batch statistics inside a block), with ``_after_block`` taking one too.
+
+    A list of images of different sizes then runs through the model in one call
+    (:meth:`forward_image_list`). Besides :class:`BlockStackApi`'s, the model has
+    ``num_prefix_tokens``, ``global_pool`` ('token': classify the first token, 'avg': the mean of the
+    grid tokens, '': every token) and ``head``.
+    """
+
+    num_prefix_tokens: int
+    global_pool: str
+    head: nn.Module
+
+    def forward_image_list(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Images (C, H_i, W_i) of different sizes -> logits (len(images), num_classes) in the list's
+        order, each image's as the image alone gives them: the images of each size are embedded as
+        one batch, then all of them run through the blocks in one call, one image a row padded at the
+        end, and each row is pooled over its own image's tokens."""
+        if self.global_pool not in ('token', 'avg'):
+            raise ValueError(f"global_pool={self.global_pool!r} gives the head every token, and images of different "
+                             "sizes have different token counts: pool them (global_pool='token' or 'avg', "
+                             "reset_classifier), or call the model on each size's batch (B, C, H, W)")
+        tokens, layout = self._layout_features(images)
+        return self.head(self._pool_layout(tokens, layout))
+
+    def _layout_features(self, images: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ImageLayout]:
+        """Images (C, H_i, W_i) -> the final normalised tokens of all of them, one image a row, (I, L, C)
+        with L the most tokens of an image, and their padded :class:`~posattn.layout.ImageLayout`.
+        Row i holds image i's prefix tokens, then its grid row-major; what follows is padding, whose
+        values are finite and mean nothing."""
+        x, layout = self._embed_image_list(images)
+        for _, x in self.iter_blocks(x, layout):
+            pass
+        return self.norm(x), layout
+
+    def _embed_image_list(self, images: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ImageLayout]:
+        """The first block's input of every image, (I, L, C) zero-padded at the end of each row, and the
+        layout: the images of each size are embedded as one batch (``embed_tokens``)."""
+        tokens: List[Optional[torch.Tensor]] = [None] * len(images)
+        grids: List[Optional[TokenGrid]] = [None] * len(images)
+        for indices in images_by_size(images).values():
+            embedded, grid = self.embed_tokens(torch.stack([images[i] for i in indices]))  # (B_s, N_s, C)
+            for i, image_tokens in zip(indices, embedded.unbind(0)):
+                tokens[i], grids[i] = image_tokens, grid
+        return pad_sequence(tokens, batch_first=True), ImageLayout.padded(grids, self.num_prefix_tokens)
+
+    def _pool_layout(self, tokens: torch.Tensor, layout: ImageLayout) -> torch.Tensor:
+        """(I, L, C) normalised rows of a padded layout -> (I, C): each row's first token ('token'), or
+        the mean of its image's H_i * W_i grid tokens, the prefix tokens and padding left out ('avg')."""
+        if self.global_pool == 'token':
+            return tokens[:, 0]
+        ends = torch.tensor([grid.num_tokens for grid in layout.grids], device=tokens.device)  # (I,)
+        position = torch.arange(layout.length, device=tokens.device)  # (L,)
+        on_grid = (position >= self.num_prefix_tokens) & (position < ends[:, None])  # (I, L)
+        total = tokens.masked_fill(~on_grid[..., None], 0).sum(dim=1)  # (I, C)
+        return total / (ends - self.num_prefix_tokens)[:, None].to(tokens.dtype)

@@ -41,7 +41,7 @@ from ..phi.none import NoPosition
 from ..phi.peripheral import EMBEDDINGS, PeripheralPhi, random_init_
 from ..window import GridWindows
 from .blocks import DropPath, Mlp, init_linear_layers
-from .model_api import BlockStackApi, ClassifierApi, tokens_as_map
+from .model_api import BlockStackApi, ClassifierApi, images_by_size, tokens_as_map
 from .registry import create_from_arch, register_model
 
 __all__ = ['PerViT', 'PerViTBlock', 'ConvStem', 'PatchStem', 'PERVIT_ARCHS', 'pervit_tiny', 'pervit_small',
@@ -206,7 +206,16 @@ class PerViT(ClassifierApi, BlockStackApi, nn.Module):
             bottom): the embedding R, 'euc' or 'lrn' (one per model either way), the 3x3
             neighbourhood N of its projections (False: 1x1) and its multi-layer design ML
             (False: one projection); :class:`~posattn.phi.peripheral.PeripheralPhi`.
+
+    A list of images of different sizes runs as one batch per size (the stem's BatchNorm and the
+    CPE convolutions see each size's images as a batch). While a BatchNorm normalises by the
+    batch's statistics (training mode), every size of a list must hold at least
+    :attr:`min_images_per_size` images.
     """
+
+    #: The fewest images of one size a list may hold while a BatchNorm of the model is in training
+    #: mode: the statistics of fewer are not a batch's (of one image, a single image's).
+    min_images_per_size = 8
 
     def __init__(self, embed_dims: Sequence[int] = (128, 192, 224, 280), depths: Sequence[int] = (2, 2, 6, 2),
                  num_heads: int = 4, stem_dims: Sequence[int] = (48, 64, 96, 128), in_chans: int = 3,
@@ -288,6 +297,30 @@ class PerViT(ClassifierApi, BlockStackApi, nn.Module):
         """The release's: truncated normal (std 0.02, zero bias) for every Linear (qkv, proj, MLP,
         res, head); PyTorch's defaults for the convolutions and norms; each Φp keeps its own."""
         init_linear_layers(self)
+
+    def forward_image_list(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Images (C, H_i, W_i) of different sizes -> logits (len(images), num_classes) in the list's
+        order, the images of each size run as one batch. While a BatchNorm of the model is in training
+        mode, a ValueError before any work if a size holds fewer than :attr:`min_images_per_size`."""
+        self._check_sizes_for_batch_norm(images)
+        return super().forward_image_list(images)
+
+    def _check_sizes_for_batch_norm(self, images: Sequence[torch.Tensor]) -> None:
+        """A ValueError naming each size of ``images`` with fewer than :attr:`min_images_per_size`
+        images, and the fix, where a BatchNorm of the model normalises by the batch's statistics."""
+        if not any(isinstance(module, (nn.BatchNorm2d, nn.SyncBatchNorm)) and module.training
+                   for module in self.modules()):
+            return
+        few = {shape[-2:]: len(indices) for shape, indices in images_by_size(images).items()
+               if len(indices) < self.min_images_per_size}
+        if few:
+            sizes = ', '.join(f'{height}x{width} ({count} image{"s" if count > 1 else ""})'
+                              for (height, width), count in few.items())
+            raise ValueError(f'in training mode {type(self).__name__} runs the images of each size of a list as one '
+                             f'batch through BatchNorm, whose statistics over fewer than {self.min_images_per_size} '
+                             f'images (min_images_per_size) are not a batch\'s; these sizes hold fewer: {sizes}. '
+                             'Resize the images to a few sizes, each held by at least '
+                             f'{self.min_images_per_size} images of the list, or give batches (B, C, H, W) of one size')
 
     def embed_tokens(self, x: torch.Tensor) -> Tuple[torch.Tensor, TokenGrid]:
         """Images (B, 3, H, W) -> the first block's input (B, h*w, C0) and its grid (the stem's)."""

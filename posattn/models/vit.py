@@ -32,9 +32,10 @@ from torch import nn
 
 from ..attention import Attention
 from ..grid import TokenGrid
+from ..layout import ImageLayout
 from ..phi import PositionalModule, build_layer_phi, build_phi
 from .blocks import DropPath, Mlp, PatchEmbed, init_linear_layers
-from .model_api import BlockStackApi, ClassifierApi
+from .model_api import ClassifierApi, LayoutStackApi
 from .pos_embed import resample_abs_pos_embed
 from .registry import create_from_arch, register_model
 
@@ -89,13 +90,17 @@ class Block(nn.Module):
         self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path2 = DropPath(drop_path)
 
-    def forward(self, x: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, grid: Union[TokenGrid, ImageLayout]) -> torch.Tensor:
+        """x: (B, N, C) on ``grid``, or images of different grids (B, L, C) placed by a layout."""
         x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), grid)))
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
 
-class VisionTransformer(ClassifierApi, BlockStackApi, nn.Module):
+class VisionTransformer(LayoutStackApi, ClassifierApi, nn.Module):
     """ViT / DeiT with a pluggable Φp in every attention layer.
+
+    A list of images of different sizes runs in one call through the blocks, each image on its own
+    grid, one image a row (:class:`~posattn.models.model_api.LayoutStackApi`).
 
     Args:
         img_size: training resolution, a side or (height, width); sets the grid of the learned
@@ -218,10 +223,16 @@ class VisionTransformer(ClassifierApi, BlockStackApi, nn.Module):
             x = x + resample_abs_pos_embed(self.pos_embed, hw, self.grid_size, self.num_prefix_tokens)
         return self.pos_drop(x), grid
 
-    def _after_block(self, index: int, x: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
-        """Block ``index``'s output through the PEG that follows it, if it has one."""
+    def _after_block(self, index: int, x: torch.Tensor, grid: Union[TokenGrid, ImageLayout]) -> torch.Tensor:
+        """Block ``index``'s output through the PEG that follows it, if it has one; on a layout the PEG,
+        a convolution over each image's grid, runs once per distinct grid (zero at padding)."""
         key = str(index)
-        return self.pegs[key].tokens(x, grid) if key in self.pegs else x
+        if key not in self.pegs:
+            return x
+        peg = self.pegs[key]
+        if isinstance(grid, ImageLayout):
+            return grid.per_grid(x, lambda group: peg.tokens(grid.gather(x, group), group.grid), x.shape[-1])
+        return peg.tokens(x, grid)
 
     def _as_features(self, tokens: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
         """``forward_features`` returns the normalised tokens (B, prefix + h*w, embed_dim) as they are."""

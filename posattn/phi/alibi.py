@@ -24,10 +24,12 @@ import torch
 
 from .._cache import grid_constant
 from ..grid import TokenGrid, is_integer
+from ..layout import ImageLayout
+from ..positions import TokenPositions, token_positions
 from .base import PositionalModule
 from .registry import register_phi
 
-__all__ = ['ALiBi2D', 'alibi_slopes', 'grid_distances']
+__all__ = ['ALiBi2D', 'alibi_slopes', 'grid_distances', 'layout_distances']
 
 
 def alibi_slopes(num_heads: int, dtype: torch.dtype = torch.float32,
@@ -90,5 +92,24 @@ class ALiBi2D(PositionalModule):
         bias = -slopes[:, None, None] * distances  # (heads, HW, HW)
         return grid.pad_prefix(bias).unsqueeze(0).to(dtype)
 
+    def logits_bias_at(self, q: torch.Tensor, k: torch.Tensor, positions: TokenPositions,
+                       **given: Any) -> torch.Tensor:
+        """b[h, i, j] on rows of images, each pair of an image's grid tokens by its distance, zero
+        wherever a prefix token is: (I, heads, M, M) in q's dtype."""
+        precision = torch.promote_types(q.dtype, torch.float32)
+        distances = layout_distances(positions.layout, positions.batch, precision, q.device)  # (I, M, M)
+        slopes = alibi_slopes(self.num_heads, precision, q.device)
+        return (-slopes[:, None, None] * distances[:, None]).to(q.dtype)
+
     def settings(self) -> Dict[str, Any]:
         return {'num_heads': self.num_heads}  # the slopes depend on the number of heads
+
+
+@grid_constant(max_bytes=128 << 20)
+def layout_distances(layout: ImageLayout, batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """||p_i - p_j||_2 between the grid tokens of each image of a layout, its images one a row, (I, M, M)
+    in ``dtype``; 0 wherever a prefix token or padding is; cached."""
+    positions = token_positions(layout, batch, device)
+    dy, dx = positions.offsets()
+    squared = torch.where(positions.grid_pairs(), dy * dy + dx * dx, 0)  # exact in int64
+    return squared.to(dtype).sqrt()

@@ -30,7 +30,8 @@ position inputs, is by default every parameter and buffer it holds (:meth:`posit
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, ClassVar, Dict, FrozenSet, Hashable, Iterable, Iterator, Mapping, Optional, Tuple
+from typing import (TYPE_CHECKING, Any, Callable, ClassVar, Dict, FrozenSet, Hashable, Iterable, Iterator, Mapping,
+                    Optional, Tuple, Union)
 
 import torch
 from torch import nn
@@ -41,6 +42,9 @@ from .._compat import ConversionNotified, RecordedInStateDict
 from ..grid import TokenGrid
 from .cache import PositionCache, attach, attached_cache, detach
 from .record import RECORD_KEY, PhiRecord, difference
+
+if TYPE_CHECKING:
+    from ..positions import TokenPositions
 
 __all__ = ['PositionalModule', 'HOOKS', 'cache_positions']
 
@@ -226,6 +230,46 @@ class PositionalModule(ConversionNotified, RecordedInStateDict):
     def value_term(self, attn: torch.Tensor, grid: TokenGrid) -> Optional[torch.Tensor]:
         """Term added to ``attn @ v``, given the probabilities ``attn`` (B, heads, N, N)."""
         return None
+
+    # The same hooks on images of different grids in one call (:mod:`posattn.positions`): the tokens are
+    # (I, M) rows, one image each, and ``positions`` says where each token lies in its image. A Φp
+    # that overrides the ``_at`` form of every hook it declares (and declares no token hook, which
+    # needs a 2D canvas) runs on a layout in one call; any other runs once per distinct grid.
+
+    def queries_keys_at(self, q: torch.Tensor, k: torch.Tensor, positions: 'TokenPositions',
+                        **given: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`queries_keys` on rows of images, q and k (I, heads, M, head_dim): each token as on its
+        image's grid alone; what it gives at padding does not matter."""
+        raise NotImplementedError
+
+    def logits_bias_at(self, q: torch.Tensor, k: torch.Tensor, positions: 'TokenPositions',
+                       **given: Any) -> Optional[torch.Tensor]:
+        """:meth:`logits_bias` on rows of images: broadcastable to (I, heads, M, M), each pair of tokens
+        of an image as on its grid alone, finite at every other pair (which the key mask removes)."""
+        raise NotImplementedError
+
+    def mix_probabilities_at(self, attn: torch.Tensor, positions: 'TokenPositions', key_mask: torch.Tensor,
+                             **given: Any) -> torch.Tensor:
+        """:meth:`mix_probabilities` on rows of images: ``attn`` (I, heads, M, M), ``key_mask`` (I, M)
+        False at padding and at keys the caller masked, which the result must leave at 0."""
+        raise NotImplementedError
+
+    def value_term_at(self, attn: torch.Tensor, positions: 'TokenPositions', **given: Any) -> Optional[torch.Tensor]:
+        """:meth:`value_term` on rows of images, ``attn`` (I, heads, M, M), zero at padding keys."""
+        raise NotImplementedError
+
+    @property
+    def runs_on_token_positions(self) -> bool:
+        """Whether this Φp computes every hook it declares from per-token positions (the ``_at`` hooks),
+        so that a layer runs a layout's images in one call; False where it needs each image's grid as a
+        2D canvas (a token hook: PEG's convolution; the peripheral Φp)."""
+        hooks = self.declared_hooks()
+        return 'tokens' not in hooks and all(
+            getattr(type(self), f'{hook}_at') is not getattr(PositionalModule, f'{hook}_at') for hook in hooks)
+
+    def hook(self, name: str, where: Union[TokenGrid, 'TokenPositions']) -> Callable[..., Any]:
+        """The declared hook ``name`` for tokens on one grid, or its ``_at`` form for rows of images."""
+        return getattr(self, name if isinstance(where, TokenGrid) else f'{name}_at')
 
     def mixture_parts(self, grid: TokenGrid) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """For the analyses, where :meth:`mix_probabilities` mixes a positional attention in: that

@@ -17,6 +17,11 @@ resampling runs in the forward pass (exact on the table's grid), so the learned 
 their size and receive the gradient of every grid. Pairs that involve a prefix (class) token get no
 bias, as in MViTv2. The formulas, pair by pair: :func:`posattn.reference.decomposed_relative_position_bias`
 and :func:`posattn.reference.linear_resize`.
+
+On a layout of images of different grids (:class:`~posattn.positions.TokenPositions`), the embeddings are
+resampled to every distinct axis length at once by stacked 1D resampling matrices (cached per layout);
+each query is dotted with its image's offsets of each axis, and every pair reads its row and column
+offset from these by a cached per-pair index: two gathers, summed in place, (I, heads, M, M).
 """
 from __future__ import annotations
 
@@ -27,9 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._cache import grid_constant
+from ..layout import ImageLayout
+from ..positions import TokenPositions, token_positions
 from ..grid import TokenGrid
 from .base import PositionalModule
 from .registry import register_phi
+from .resampling import distinct, stacked_resampling
 from .options import checked_count, checked_grid_prefix, checked_prefix_tokens
 from .rpb import checked_table_size
 
@@ -129,5 +137,55 @@ class DecomposedRelativePositionBias(PositionalModule):
         bias = (row_terms[..., :, None] + col_terms[..., None, :]).flatten(4).flatten(2, 3)  # (B, heads, HW, HW)
         return grid.pad_prefix(bias).to(q.dtype)
 
+    def logits_bias_at(self, q: torch.Tensor, k: torch.Tensor, positions: TokenPositions,
+                       **given: Any) -> torch.Tensor:
+        """b[h, i, j] on rows of images, from the queries q (I, heads, M, d): (I, heads, M, M) in q's dtype,
+        the row term plus the column term (:meth:`_axis_term`); zero wherever a prefix token or padding is."""
+        checked_grid_prefix(positions, self.num_prefix_tokens, 'decomposed_rpb')
+        if q.shape[-1] != self.head_dim:
+            raise ValueError(f'decomposed_rpb built with head_dim={self.head_dim} got queries of {q.shape[-1]} '
+                             f'channels a head: build it with head_dim={q.shape[-1]}')
+        return self._axis_term(q, positions, 0).add_(self._axis_term(q, positions, 1))
+
+    def _axis_term(self, q: torch.Tensor, positions: TokenPositions, axis: int) -> torch.Tensor:
+        """q_h,i · R[d + L - 1] along ``axis`` (0: rows, R_h; 1: columns, R_w) of every pair of a row of
+        images, (I, heads, M, M): each query against the offsets of its image's axis (the embeddings
+        resampled to every distinct length of the layout in one product, then a zero row), read at each
+        key's offset d, at the zero row wherever a prefix token or padding is."""
+        embeddings = self.rel_pos_h if axis == 0 else self.rel_pos_w
+        resampling, offset_rows, pair_offsets = _layout_axis(positions.layout, positions.batch, axis,
+                                                             embeddings.shape[0], embeddings.dtype, q.device)
+        per_image = (resampling @ embeddings)[offset_rows].to(q.dtype)  # (I, 2 L_max, d): its offsets, a zero row
+        lookup = q @ per_image[:, None].transpose(-2, -1)  # (I, heads, M, 2 L_max)
+        return lookup.gather(-1, pair_offsets[:, None].expand(*q.shape[:3], -1))  # (I, heads, M, M)
+
     def settings(self) -> Dict[str, Any]:
         return {'head_dim': self.head_dim, 'table_size': self.table_size, 'num_prefix_tokens': self.num_prefix_tokens}
+
+
+@grid_constant(max_bytes=64 << 20)
+def _layout_axis(layout: ImageLayout, batch: int, axis: int, num_offsets: int, dtype: torch.dtype,
+                 device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What :meth:`DecomposedRelativePositionBias._axis_term` reads along ``axis`` (0: rows, 1: columns)
+    of a layout's images, one a row; cached:
+
+    * the linear resampling from ``num_offsets`` learned offsets to each distinct 2L - 1 of the layout,
+      stacked, then a zero row: (S + 1, num_offsets), S the sum of the distinct 2L - 1;
+    * for each image the rows of its 2L - 1 offsets (padded with its last), then the zero row: (I, 2 L_max);
+    * for every pair the column it reads, query minus key plus L - 1 for two grid tokens, the zero
+      row's 2 L_max - 1 for any other: (I, M, M).
+    """
+    lengths = [grid.height if axis == 0 else grid.width for grid in layout.grids]
+    sizes = distinct(2 * length - 1 for length in lengths)
+    resampling, starts = stacked_resampling(num_offsets, sizes, 'linear', dtype, torch.device('cpu'))
+    resampling = torch.cat([resampling, resampling.new_zeros(1, num_offsets)])
+    zero_row = resampling.shape[0] - 1
+    longest = max(sizes)
+    offsets = torch.arange(longest)
+    offset_rows = torch.stack([torch.cat([starts[sizes.index(2 * length - 1)] + offsets.clamp(max=2 * length - 2),
+                                          torch.tensor([zero_row])]) for length in lengths])
+    positions = token_positions(layout, batch, torch.device('cpu'))
+    along = positions.offsets()[axis]
+    length = (positions.height if axis == 0 else positions.width)[:, :, None]  # (I, M, 1)
+    pair_offsets = torch.where(positions.grid_pairs(), along + length - 1, longest)
+    return resampling.to(device), offset_rows.to(device), pair_offsets.to(device)

@@ -40,6 +40,8 @@ from torch import nn
 
 from .._cache import grid_constant
 from ..grid import TokenGrid
+from ..layout import ImageLayout
+from ..positions import TokenPositions, token_positions
 from .base import PositionalModule
 from .options import checked_count, checked_grid_prefix, checked_prefix_tokens
 from .registry import register_phi
@@ -176,6 +178,38 @@ class GatedPositionalAttention(PositionalModule):
         total = mixed.sum(-1, keepdim=True)  # < 1 where masking left a grid query no grid key
         return mixed / total.masked_fill(total == 0, 1.0)
 
+    def mix_probabilities_at(self, attn: torch.Tensor, positions: TokenPositions, key_mask: torch.Tensor,
+                             **given: Any) -> torch.Tensor:
+        """A of the module docstring on rows of images, ``attn`` (I, heads, M, M): each grid query's
+        positional attention over the grid keys of its own image that ``key_mask`` (I, M) keeps, by
+        the offsets r_ij there; a prefix query keeps its content attention. Rows sum to 1 (0 for a
+        query with no key left)."""
+        checked_grid_prefix(positions, self.num_prefix_tokens, 'gpsa')
+        weight, bias = self.pos_proj.weight, self.pos_proj.bias
+        offsets = layout_relative_offsets(positions.layout, positions.batch, weight.dtype, weight.device)  # (I, M, M, 3)
+        logits = (offsets @ weight.t()).permute(0, 3, 1, 2)  # v_h . r_ij: (I, heads, M, M)
+        logits = logits if bias is None else logits + bias[:, None, None]
+        grid_keys = key_mask & positions.is_grid  # (I, M)
+        has_grid_key = grid_keys.any(-1, keepdim=True)
+        kept = grid_keys | ~has_grid_key  # a row with no grid key keeps all, so its softmax stays finite
+        position = logits.masked_fill(~kept[:, None, None, :], float('-inf')).softmax(-1)
+        position = position.masked_fill(~has_grid_key[:, :, None, None], 0.0)
+        gates = self.gate[None, :, None, None] * positions.is_grid[:, None, :, None]  # (I, heads, M, 1): 0 at prefix
+        mixed = torch.lerp(attn, position.to(attn.dtype), gates.to(attn.dtype))
+        if key_mask is positions.valid:  # padding alone is masked: both terms' rows sum to 1 already
+            return mixed
+        total = mixed.sum(-1, keepdim=True)  # < 1 where masking left a grid query no grid key
+        return mixed / total.masked_fill(total == 0, 1.0)
+
     def settings(self) -> Dict[str, Any]:
         # locality_strength and local_init only initialise pos_proj
         return {'num_heads': self.num_heads, 'num_prefix_tokens': self.num_prefix_tokens}
+
+
+@grid_constant(max_bytes=256 << 20)
+def layout_relative_offsets(layout: ImageLayout, batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """r_ij = (dx, dy, dx² + dy²), key j minus query i, of every pair of a layout's images, one a row:
+    (I, M, M, 3) in ``dtype``, channels last; cached. Only pairs of one image's grid tokens mean anything."""
+    query_minus_key = token_positions(layout, batch, device).offsets()
+    dy, dx = (-offset for offset in query_minus_key)
+    return torch.stack([dx, dy, dx * dx + dy * dy], -1).to(dtype)

@@ -21,6 +21,8 @@ from torch import nn
 
 from .._cache import grid_constant
 from ..grid import GridLike, TokenGrid
+from ..layout import ImageLayout
+from ..positions import TokenPositions, token_positions
 from .base import PositionalModule
 from .options import checked_grid_prefix, checked_prefix_tokens
 from .registry import register_phi
@@ -57,15 +59,10 @@ def num_buckets(method: str, ratio: float, num_prefix_tokens: int) -> int:
     return (per_axis ** 2 if method == 'product' else per_axis) + (1 if num_prefix_tokens > 0 else 0)
 
 
-@grid_constant(max_bytes=256 << 20)
-def bucket_ids(height: int, width: int, num_prefix_tokens: int, method: str, ratio: float,
-               device: torch.device = torch.device('cpu')) -> torch.Tensor:
-    """Bucket ids (tables, L, L), L = num_prefix_tokens + H * W, indexed [table, query, key]; cached.
-
-    One table for euc, quant and product, two (rows, columns) for cross. Pairs involving an extra
-    token get the last bucket. A pure function of its arguments, which are the cache key.
-    """
-    # g is evaluated once per distinct offset, on the (2H-1, 2W-1) offset canvas, then read per pair.
+def offset_buckets(height: int, width: int, method: str, ratio: float) -> torch.Tensor:
+    """The bucket of every offset (dr, dc) of an H x W grid, (tables, 2H - 1, 2W - 1) int64,
+    [table, dr + H - 1, dc + W - 1]: one table for euc, quant and product, two (rows, columns) for cross.
+    A bucket depends on the offset alone, not on the grid's size."""
     dr, dc = torch.meshgrid(torch.arange(1 - height, height), torch.arange(1 - width, width), indexing='ij')
     b = int(2.0 * ratio)
     if method == 'euc':
@@ -78,15 +75,44 @@ def bucket_ids(height: int, width: int, num_prefix_tokens: int, method: str, rat
         per_offset = [(piecewise_index(dr, ratio) + b) * (2 * b + 1) + piecewise_index(dc, ratio) + b]
     else:
         raise ValueError(f'unknown iRPE method {method!r}; choose one of {", ".join(METHODS)}')
+    return torch.stack(per_offset)
+
+
+@grid_constant(max_bytes=256 << 20)
+def bucket_ids(height: int, width: int, num_prefix_tokens: int, method: str, ratio: float,
+               device: torch.device = torch.device('cpu')) -> torch.Tensor:
+    """Bucket ids (tables, L, L), L = num_prefix_tokens + H * W, indexed [table, query, key]; cached.
+
+    One table for euc, quant and product, two (rows, columns) for cross. Pairs involving an extra
+    token get the last bucket. A pure function of its arguments, which are the cache key.
+    """
+    # g is evaluated once per distinct offset, on the (2H-1, 2W-1) offset canvas, then read per pair.
+    per_offset = offset_buckets(height, width, method, ratio)
     rows, cols = TokenGrid(height, width).positions()
     offset_rows = rows[:, None] - rows[None] + height - 1  # (HW, HW) query minus key, shifted to >= 0
     offset_cols = cols[:, None] - cols[None] + width - 1
-    grid_ids = torch.stack(per_offset)[:, offset_rows, offset_cols]
+    grid_ids = per_offset[:, offset_rows, offset_cols]
     tokens = num_prefix_tokens + height * width
     shared_bucket = num_buckets(method, ratio, num_prefix_tokens) - 1
     ids = torch.full((len(grid_ids), tokens, tokens), shared_bucket, dtype=torch.long)
     ids[:, num_prefix_tokens:, num_prefix_tokens:] = grid_ids
     return ids.to(device)
+
+
+@grid_constant(max_bytes=256 << 20)
+def layout_bucket_ids(layout: ImageLayout, batch: int, method: str, ratio: float,
+                      device: torch.device) -> torch.Tensor:
+    """Bucket ids of every pair of a layout's images, one a row: (tables, I, M, M), [table, image,
+    query, key], each grid pair's as on its image's grid alone (:func:`bucket_ids`), every other pair
+    (a prefix token, padding) the shared last bucket; cached."""
+    positions = token_positions(layout, batch, torch.device('cpu'))
+    height = max(grid.height for grid in layout.grids)
+    width = max(grid.width for grid in layout.grids)
+    per_offset = offset_buckets(height, width, method, ratio)
+    dy, dx = positions.offsets()
+    grid_ids = per_offset[:, dy + height - 1, dx + width - 1]  # (tables, I, M, M)
+    shared_bucket = num_buckets(method, ratio, layout.num_prefix_tokens) - 1
+    return torch.where(positions.grid_pairs(), grid_ids, shared_bucket).to(device)
 
 
 class LookupTable(nn.Module):
@@ -196,31 +222,39 @@ class IRPE(PositionalModule):
             hw: (H, W) of the grid (``num_prefix_tokens`` extra tokens come first), or a TokenGrid.
         """
         tables = self._tables(on)
-        grid = self._grid(hw)
         if x.dim() != 4 or x.shape[1] != self.num_heads:
             raise ValueError(f'iRPE term on {on!r} expects (B, {self.num_heads} heads, L, ...), '
                              f'got shape {tuple(x.shape)}')
-        grid.check_num_tokens(x.shape[-2])
-        if on == 'v':
-            grid.check_num_tokens(x.shape[-1])
-        elif self.mode == 'ctx' and x.shape[-1] != self.head_dim:
+        if on != 'v' and self.mode == 'ctx' and x.shape[-1] != self.head_dim:
             raise ValueError(f'iRPE term on {on!r} expects head_dim {self.head_dim}, got shape {tuple(x.shape)}')
-        ids = bucket_ids(grid.height, grid.width, self.num_prefix_tokens, self.method, self.ratio, x.device)
+        if isinstance(hw, TokenPositions):
+            checked_grid_prefix(hw, self.num_prefix_tokens, 'iRPE')
+            ids = layout_bucket_ids(hw.layout, hw.batch, self.method, self.ratio, x.device)  # (tables, I, M, M)
+        else:
+            grid = self._grid(hw)
+            grid.check_num_tokens(x.shape[-2])
+            if on == 'v':
+                grid.check_num_tokens(x.shape[-1])
+            ids = bucket_ids(grid.height, grid.width, self.num_prefix_tokens, self.method, self.ratio, x.device)
         terms = [self._table_term(on, x, table.to(x.dtype), table_ids) for table, table_ids in zip(tables, ids)]
         return terms[0] if len(terms) == 1 else terms[0] + terms[1]
 
     def _table_term(self, on: str, x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """One table's term; ids (L, L) indexed [query, key]."""
+        """One table's term; ids (L, L) indexed [query, key], or (I, L, L) one image a row."""
+        ids = ids if ids.dim() == 3 else ids[None]  # (I or 1, L, L)
         if self.mode == 'bias':  # T_q is read at the mirrored offset id(j, i)
-            return table[:, ids.t() if on == 'q' else ids].unsqueeze(0)  # (1, heads or 1, L, L)
+            pair_ids = ids.transpose(-2, -1) if on == 'q' else ids
+            bias = table.index_select(1, pair_ids.flatten())  # (heads or 1, I L L): one contiguous gather a head
+            return bias.view(-1, *pair_ids.shape).transpose(0, 1)  # (I or 1, heads or 1, L, L)
         batch, heads, tokens, _ = x.shape
+        pair_ids = ids[:, None].expand(batch, heads, tokens, tokens)
         if on == 'v':
             per_bucket = x.new_zeros(batch, heads, tokens, self.num_buckets)
-            per_bucket = per_bucket.scatter_add(-1, ids.expand(batch, heads, tokens, tokens), x)
+            per_bucket = per_bucket.scatter_add(-1, pair_ids, x)
             return per_bucket @ table  # (B, heads, L, buckets) @ (heads or 1, buckets, d)
         lookup = x @ table  # (B, heads, L, d) @ (heads or 1, d, buckets) -> (B, heads, L, buckets)
         # [b, h, r, c] = x_r . T[id(r, c)]: query-major on k; on q, r is the key j and c the query i
-        gathered = lookup.gather(-1, ids.expand(batch, heads, tokens, tokens))
+        gathered = lookup.gather(-1, pair_ids)
         return gathered.transpose(-2, -1) if on == 'q' else gathered
 
     def logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
@@ -242,6 +276,15 @@ class IRPE(PositionalModule):
 
     def value_term(self, attn: torch.Tensor, grid: TokenGrid) -> Optional[torch.Tensor]:
         return self.term('v', attn, grid) if 'v' in self.on else None
+
+    def logits_bias_at(self, q: torch.Tensor, k: torch.Tensor, positions: TokenPositions,
+                       **given: Any) -> Optional[torch.Tensor]:
+        """The terms on k and q on rows of images, by each pair's bucket on its image's grid:
+        (I, heads or 1, M, M)."""
+        return self._logits_bias(q, k, positions)
+
+    def value_term_at(self, attn: torch.Tensor, positions: TokenPositions, **given: Any) -> Optional[torch.Tensor]:
+        return self.term('v', attn, positions) if 'v' in self.on else None
 
     @torch.no_grad()
     def load_release_tables(self, tables: Mapping[str, Mapping[str, torch.Tensor]]) -> None:

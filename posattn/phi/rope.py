@@ -47,6 +47,8 @@ from torch import nn
 
 from .._cache import grid_constant
 from ..grid import TokenGrid, is_integer
+from ..layout import ImageLayout
+from ..positions import TokenPositions, token_positions
 from .base import PositionalModule
 from .options import checked_count, checked_pair
 from .registry import register_phi
@@ -255,9 +257,58 @@ class RotaryPositionEmbedding(PositionalModule):
         angles = coordinates[:, 0, None] * freqs[0][:, None] + coordinates[:, 1, None] * freqs[1][:, None]
         return _cos_sin(angles)  # angles (heads, HW, d / 2)
 
+    def queries_keys_at(self, q: torch.Tensor, k: torch.Tensor, positions: TokenPositions,
+                        **given: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        """q, k (I, heads, M, d) on rows of images, each grid token rotated by its own row and column
+        on its image's grid; prefix tokens and padding turn by the angle 0, which leaves them as they are."""
+        if q.shape[1] != self.num_heads or q.shape[-1] != self.head_dim:
+            raise ValueError(f'rope built for {self.num_heads} heads of {self.head_dim} channels got queries of shape '
+                             f'{tuple(q.shape)} (B, heads, N, head_dim)')
+        precision = torch.promote_types(q.dtype, torch.float32)
+        if self.frequencies == 'axial':
+            cos, sin = layout_axial_rotation(positions.layout, positions.batch, self.head_dim, self.temperature,
+                                             self.position_offset, self.reference_grid, self.axis_order, precision,
+                                             q.device)[:, :, None]  # (2, I, 1, M, d / 2)
+        else:
+            coordinates = layout_coordinates(positions.layout, positions.batch, self.position_offset,
+                                             self.reference_grid, self.axis_order, precision, q.device)  # (I, M, 2)
+            freqs = self.learned_frequencies.to(q.device, precision)  # (2, heads, d / 2)
+            angles = (coordinates[:, None, :, 0, None] * freqs[0][:, None]
+                      + coordinates[:, None, :, 1, None] * freqs[1][:, None])  # (I, heads, M, d / 2)
+            cos, sin = _cos_sin(angles)
+        return (rotate_pairs(q.to(cos.dtype), cos, sin, self.pairing).to(q.dtype),
+                rotate_pairs(k.to(cos.dtype), cos, sin, self.pairing).to(k.dtype))
+
     def settings(self) -> Dict[str, Any]:
         settings = {'head_dim': self.head_dim, 'num_heads': self.num_heads, 'frequencies': self.frequencies}
         if self.frequencies == 'axial':  # learned frequencies take the temperature as their initialisation only
             settings['temperature'] = self.temperature
         return {**settings, 'position_offset': self.position_offset, 'reference_grid': self.reference_grid,
                 'axis_order': self.axis_order, 'pairing': self.pairing}
+
+
+@grid_constant(max_bytes=64 << 20)
+def layout_coordinates(layout: ImageLayout, batch: int, position_offset: float,
+                       reference_grid: Optional[Tuple[int, int]], axis_order: str, dtype: torch.dtype,
+                       device: torch.device) -> torch.Tensor:
+    """The coordinates (a, b) of every token of a layout's images, one a row, as :func:`grid_coordinates`
+    gives them on each image's grid: (I, M, 2) in ``dtype``; 0 at prefix tokens and padding; cached."""
+    positions = token_positions(layout, batch, device)
+    rows = positions.row.to(dtype) + position_offset
+    cols = positions.col.to(dtype) + position_offset
+    if reference_grid is not None:  # the order of timm's operations, for the same rounding
+        rows = rows / positions.height.to(dtype) * reference_grid[0]
+        cols = cols / positions.width.to(dtype) * reference_grid[1]
+    first, second = (rows, cols) if axis_order == 'yx' else (cols, rows)
+    return torch.stack([first, second], dim=-1).masked_fill(~positions.is_grid[..., None], 0.0)
+
+
+@grid_constant(max_bytes=64 << 20)
+def layout_axial_rotation(layout: ImageLayout, batch: int, head_dim: int, temperature: float, position_offset: float,
+                          reference_grid: Optional[Tuple[int, int]], axis_order: str, dtype: torch.dtype,
+                          device: torch.device) -> torch.Tensor:
+    """cos and sin of the axial angles of every token of a layout's images, one a row, (2, I, M, d / 2)
+    in ``dtype``; cos 1 and sin 0 at prefix tokens and padding; cached."""
+    coordinates = layout_coordinates(layout, batch, position_offset, reference_grid, axis_order, dtype, device)
+    bands = axial_frequencies(head_dim, temperature, dtype, device)
+    return _cos_sin((coordinates[..., None] * bands).flatten(-2))  # (I, M, 2, F) -> (I, M, d / 2)

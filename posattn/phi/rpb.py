@@ -18,6 +18,11 @@ The resampling runs in the forward pass, so the learned table stays at its size 
 gradient of every grid; the extra entries are not resampled. The formulas, pair by pair:
 :func:`posattn.reference.relative_position_bias` and :func:`posattn.reference.bicubic_resize`.
 
+On a layout of images of different grids (:class:`~posattn.positions.TokenPositions`), bicubic
+resampling being separable, every distinct grid's offset table is R_y T R_x^T with its 1D resampling
+matrices (cached per layout), all in one batched product; each pair then reads its image's entry of
+that flat table by a cached per-pair index, in one gather: (I, heads, M, M).
+
 A model's own table becomes the Φp's as it is (:meth:`RelativePositionBias.of_table`, the same
 Parameter): ``swap_attention(model, phi='own')`` converts timm's Swin and BEiT tables so.
 """
@@ -32,9 +37,12 @@ from torch import nn
 
 from .._cache import grid_constant
 from ..grid import TokenGrid
+from ..layout import ImageLayout
+from ..positions import TokenPositions, token_positions
 from .base import PositionalModule
 from .options import checked_count, checked_grid_prefix, checked_pair, checked_prefix_tokens
 from .registry import register_phi
+from .resampling import resampling_matrix
 
 __all__ = ['RelativePositionBias', 'relative_position_index', 'num_offsets', 'checked_table_size']
 
@@ -171,6 +179,61 @@ class RelativePositionBias(PositionalModule):
             bias = grid.pad_prefix(per_offset[:, relative_position_index(grid.height, grid.width, 0, device)])
         return bias.unsqueeze(0).to(dtype or bias.dtype)
 
+    def logits_bias_at(self, q: torch.Tensor, k: torch.Tensor, positions: TokenPositions,
+                       **given: Any) -> torch.Tensor:
+        """b[h, i, j] of every pair of an image's tokens, on rows of images: (I, heads, M, M) in q's dtype.
+
+        The offset tables of all the layout's distinct grids are made at once, R_y T R_x^T with the
+        resampling matrices of their sizes (:mod:`posattn.phi.resampling`) in one batched product, and
+        every pair reads its image's entry in one gather."""
+        checked_grid_prefix(positions, self.num_prefix_tokens, 'rpb')
+        table, (table_height, table_width) = self.learned_table()
+        along_y, along_x, pair_entry = _layout_entries(positions.layout, positions.batch, (table_height, table_width),
+                                                       self.num_extra_entries, table.dtype, q.device)
+        canvas = table[:num_offsets(table_height, table_width)].unflatten(0, (2 * table_height - 1, -1))  # (Y_t, X_t, h)
+        rows = torch.einsum('gya,axh->gyxh', along_y, canvas)  # (G, Y, X_t, h)
+        entries = torch.einsum('gyxh,gzx->gyzh', rows, along_x).flatten(0, 2)  # each distinct grid's table, (E, heads)
+        flat = torch.cat([entries, table[table.shape[0] - self.num_extra_entries:], table.new_zeros(1, self.num_heads)])
+        flat = flat.t().to(q.dtype)  # (heads, E + extra + 1): the small table cast, not the gathered bias
+        bias = flat.index_select(1, pair_entry.flatten())  # (heads, I M M): one contiguous gather a head
+        return bias.view(-1, *pair_entry.shape).transpose(0, 1)  # (I, heads, M, M)
+
     def settings(self) -> Dict[str, Any]:
         return {'num_heads': self.num_heads, 'table_size': self.table_size, 'prefix_entries': self.prefix_entries,
                 'num_prefix_tokens': self.num_prefix_tokens}
+
+
+@grid_constant(max_bytes=128 << 20)
+def _layout_entries(layout: ImageLayout, batch: int, table_size: Tuple[int, int], num_extra_entries: int,
+                    dtype: torch.dtype, device: torch.device) -> Tuple[torch.Tensor, ...]:
+    """What :meth:`RelativePositionBias.logits_bias_at` reads for a layout; cached.
+
+    For each of the G distinct grids, the bicubic matrices from the table's 2H_t - 1 row offsets to
+    its 2H - 1, zero-padded to the largest, (G, Y, 2H_t - 1), and likewise for columns (G, X, 2W_t - 1),
+    so that R_y T R_x^T of every grid is one product, (G, Y, X, heads), E = G Y X entries; and for every
+    pair of a row of images the entry it reads (I, M, M): a grid pair its offset's in its image's
+    grid, a pair with a prefix token BEiT's extra entry E, E + 1 or E + 2 where there are extra entries,
+    anything else the zero entry after them."""
+    grids = tuple(layout.images_by_grid())
+    longest_y = 2 * max(grid.height for grid in grids) - 1
+    longest_x = 2 * max(grid.width for grid in grids) - 1
+    along_y = torch.zeros(len(grids), longest_y, 2 * table_size[0] - 1, dtype=torch.float64)
+    along_x = torch.zeros(len(grids), longest_x, 2 * table_size[1] - 1, dtype=torch.float64)
+    for index, grid in enumerate(grids):
+        along_y[index, :2 * grid.height - 1] = resampling_matrix(2 * table_size[0] - 1, 2 * grid.height - 1, 'bicubic')
+        along_x[index, :2 * grid.width - 1] = resampling_matrix(2 * table_size[1] - 1, 2 * grid.width - 1, 'bicubic')
+    positions = token_positions(layout, batch, torch.device('cpu'))
+    dy, dx = positions.offsets()
+    height, width = positions.height[:, :, None], positions.width[:, :, None]  # (I, M, 1): the image's grid
+    image_grid = positions.grid_id[:, None, None]  # (I, 1, 1)
+    grid_entry = (image_grid * longest_y + dy + height - 1) * longest_x + dx + width - 1
+    first_extra = len(grids) * longest_y * longest_x
+    query_grid, key_grid = positions.is_grid[:, :, None], positions.is_grid[:, None, :]
+    query_prefix, key_prefix = positions.is_prefix[:, :, None], positions.is_prefix[:, None, :]
+    zero_entry = torch.full_like(grid_entry, first_extra + num_extra_entries)
+    entry = torch.where(query_grid & key_grid, grid_entry, zero_entry)
+    if num_extra_entries:
+        entry = torch.where(query_prefix & key_grid, first_extra, entry)
+        entry = torch.where(query_grid & key_prefix, first_extra + 1, entry)
+        entry = torch.where(query_prefix & key_prefix, first_extra + 2, entry)
+    return along_y.to(device, dtype), along_x.to(device, dtype), entry.to(device)

@@ -15,11 +15,14 @@ are the members' under their index (``phi.0.*``, ``phi.1.*``). Each member keeps
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, Optional, Tuple, Union
 
 import torch
 from ..grid import TokenGrid
+from ..positions import TokenPositions
 from .base import PositionalModule
+
+Where = Union[TokenGrid, TokenPositions]
 
 __all__ = ['PhiStack']
 
@@ -59,31 +62,42 @@ class PhiStack(PositionalModule):
     def _contributing(self, hook: str) -> Iterator[PositionalModule]:
         return (member for member in self.members if member.contributes(hook))
 
-    # Each member gets the call inputs it declared (``given``: the union the stack declares).
+    # Each member gets the call inputs it declared (``given``: the union the stack declares). Every hook
+    # serves both forms: ``where`` is a TokenGrid (one grid) or TokenPositions (rows of images), and
+    # each member's hook of that form is called (PositionalModule.hook).
 
     def tokens(self, x: torch.Tensor, grid: TokenGrid, **given: Any) -> torch.Tensor:
         for member in self._contributing('tokens'):
             x = member.tokens(x, grid, **member.given(given))
         return x
 
-    def queries_keys(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid,
+    def queries_keys(self, q: torch.Tensor, k: torch.Tensor, where: Where,
                      **given: Any) -> Tuple[torch.Tensor, torch.Tensor]:
         for member in self._contributing('queries_keys'):
-            q, k = member.queries_keys(q, k, grid, **member.given(given))
+            q, k = member.hook('queries_keys', where)(q, k, where, **member.given(given))
         return q, k
 
-    def logits_bias(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid, **given: Any) -> Optional[torch.Tensor]:
-        return _sum(member.logits_bias(q, k, grid, **member.given(given))
+    def logits_bias(self, q: torch.Tensor, k: torch.Tensor, where: Where, **given: Any) -> Optional[torch.Tensor]:
+        return _sum(member.hook('logits_bias', where)(q, k, where, **member.given(given))
                     for member in self._contributing('logits_bias'))
 
-    def mix_probabilities(self, attn: torch.Tensor, grid: TokenGrid, key_mask: Optional[torch.Tensor] = None,
+    def mix_probabilities(self, attn: torch.Tensor, where: Where, key_mask: Optional[torch.Tensor] = None,
                           **given: Any) -> torch.Tensor:
         for member in self._contributing('mix_probabilities'):
-            attn = member.mix_probabilities(attn, grid, key_mask, **member.given(given))
+            attn = member.hook('mix_probabilities', where)(attn, where, key_mask, **member.given(given))
         return attn
 
-    def value_term(self, attn: torch.Tensor, grid: TokenGrid, **given: Any) -> Optional[torch.Tensor]:
-        return _sum(member.value_term(attn, grid, **member.given(given)) for member in self._contributing('value_term'))
+    def value_term(self, attn: torch.Tensor, where: Where, **given: Any) -> Optional[torch.Tensor]:
+        return _sum(member.hook('value_term', where)(attn, where, **member.given(given))
+                    for member in self._contributing('value_term'))
+
+    queries_keys_at, logits_bias_at = queries_keys, logits_bias
+    mix_probabilities_at, value_term_at = mix_probabilities, value_term
+
+    @property
+    def runs_on_token_positions(self) -> bool:
+        """Whether every member does: the stack then runs a layout in one call."""
+        return all(member.runs_on_token_positions for member in self.members)
 
     def mixture_parts(self, grid: TokenGrid) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """The parts of the first member that mixes a positional attention in, or None."""

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 import torch
 from torch import nn
 
-from ..attention import Attention
+from ..attention import Attention, Where
 from ..grid import TokenGrid
 from ..layout import ImageLayout
 from ..phi import PhiStack, PositionalModule, build_layer_phi
@@ -191,29 +191,21 @@ class SwappedAttention(Attention):
         """
         where = self.current_grid(*tensors)
         if isinstance(where, ImageLayout):
-            return self._output_per_image(x, where, attn_mask, offered)
-        return self._output_on_grid(x, self.grid_of(x, where), attn_mask, self.phi.given(self.taking(offered)))
+            if attn_mask is not None or any(self.reads(name) for name in offered):
+                raise ValueError('a swapped attention on images of different grids takes no attention mask '
+                                 'and no per-call positional input: each image attends within its own grid')
+            # The layout says which tokens attend to which, so the family's adapter has checked or dropped
+            # the model's padding mask.
+            return self.forward_layout(x, where, None, self.phi.given({}))
+        return self.forward_tokens(x, self.grid_of(x, where), None, self.phi.given(self.taking(offered)),
+                                   attn_mask=attn_mask)
 
-    def _output_on_grid(self, x: torch.Tensor, grid: TokenGrid, attn_mask: Optional[torch.Tensor],
-                        given: Mapping[str, Any]) -> torch.Tensor:
-        tokens = self.phi.tokens(x, grid, **given) if self.phi.contributes('tokens') else x
+    def forward_tokens(self, x: torch.Tensor, where: Where, key_mask: Optional[torch.Tensor],
+                       given: Mapping[str, Any], attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        tokens = self.phi.tokens(x, where, **given) if self.phi.contributes('tokens') else x
         q, k, v = self.split_heads(self.project_qkv(tokens))
-        out = self.attend(q, k, v, grid, attn_mask=attn_mask, given=given)
+        out = self.attend(q, k, v, where, key_mask, attn_mask=attn_mask, given=given)
         return self.proj_drop(self.proj(self.before_projection(out, x)))
-
-    def _output_per_image(self, x: torch.Tensor, layout: ImageLayout, attn_mask: Optional[torch.Tensor],
-                          offered: Mapping[str, Any]) -> torch.Tensor:
-        """:meth:`attention_output` on a batch of images of different grids (B, L, C): the images of
-        each grid gathered into one batch and put back, as :class:`posattn.Attention` does with a
-        layout; zero at tokens of no image. The layout says which tokens attend to which, so the
-        family's adapter has checked or dropped the model's padding mask; no other mask is taken."""
-        if attn_mask is not None or any(self.reads(name) for name in offered):
-            raise ValueError('a swapped attention on images of different grids takes no attention mask '
-                             'and no per-call positional input: each image attends within its own grid')
-        self.check_layout(x, layout)
-        given = self.phi.given({})
-        return layout.per_grid(x, lambda group: self._output_on_grid(layout.gather(x, group), group.grid, None, given),
-                               self.proj.out_features)
 
     def reads(self, name: str) -> bool:
         """Whether the layer's Φp reads ``name`` given with the call: an adapter computes a term of the
