@@ -15,10 +15,13 @@ units, times a fixed slope m_h per head. The slopes are those of ALiBi's release
 
 The slopes are not learned. Pairs that involve a prefix (class) token get no bias. The formula,
 pair by pair: :func:`posattn.reference.alibi_bias`.
+
+On a layout's images one a row, each pair reads its bias from a per-head table indexed by its squared
+offset dy^2 + dx^2, an exact integer, so every pair gets what its image's grid gives it, bit for bit.
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import torch
 
@@ -29,7 +32,7 @@ from ..positions import TokenPositions, token_positions
 from .base import PositionalModule
 from .registry import register_phi
 
-__all__ = ['ALiBi2D', 'alibi_slopes', 'grid_distances', 'layout_distances']
+__all__ = ['ALiBi2D', 'alibi_slopes', 'grid_distances', 'layout_squared_offsets']
 
 
 def alibi_slopes(num_heads: int, dtype: torch.dtype = torch.float32,
@@ -95,21 +98,30 @@ class ALiBi2D(PositionalModule):
     def logits_bias_at(self, q: torch.Tensor, k: torch.Tensor, positions: TokenPositions,
                        **given: Any) -> torch.Tensor:
         """b[h, i, j] on rows of images, each pair of an image's grid tokens by its distance, zero
-        wherever a prefix token is: (I, heads, M, M) in q's dtype."""
+        wherever a prefix token is: (I, heads, M, M) in q's dtype.
+
+        A pair's squared offset s = dy^2 + dx^2 is an exact integer: every pair reads -m_h sqrt(s) from a
+        (heads, S) table over s = 0 .. S - 1, made in the precision of :meth:`position_bias` and cast to
+        q's dtype before one gather (s = 0 at a pair with a prefix token or padding)."""
         precision = torch.promote_types(q.dtype, torch.float32)
-        distances = layout_distances(positions.layout, positions.batch, precision, q.device)  # (I, M, M)
+        squared, levels = layout_squared_offsets(positions.layout, positions.batch, q.device)  # (I, M, M), (S,)
         slopes = alibi_slopes(self.num_heads, precision, q.device)
-        return (-slopes[:, None, None] * distances[:, None]).to(q.dtype)
+        table = (-slopes[:, None] * levels.to(precision).sqrt()).to(q.dtype)  # (heads, S)
+        bias = table.index_select(1, squared.flatten())  # (heads, I M M): one contiguous gather a head
+        return bias.view(-1, *squared.shape).transpose(0, 1)  # (I, heads, M, M)
 
     def settings(self) -> Dict[str, Any]:
         return {'num_heads': self.num_heads}  # the slopes depend on the number of heads
 
 
 @grid_constant(max_bytes=128 << 20)
-def layout_distances(layout: ImageLayout, batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """||p_i - p_j||_2 between the grid tokens of each image of a layout, its images one a row, (I, M, M)
-    in ``dtype``; 0 wherever a prefix token or padding is; cached."""
+def layout_squared_offsets(layout: ImageLayout, batch: int,
+                           device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The squared offset dy^2 + dx^2 between the grid tokens of each image of a layout, its images one a
+    row, (I, M, M) int32, 0 wherever a prefix token or padding is; and the squared offsets 0 .. S - 1,
+    (S,) int64, S - 1 the largest (H - 1)^2 + (W - 1)^2 of the layout's grids; cached."""
     positions = token_positions(layout, batch, device)
     dy, dx = positions.offsets()
-    squared = torch.where(positions.grid_pairs(), dy * dy + dx * dx, 0)  # exact in int64
-    return squared.to(dtype).sqrt()
+    squared = torch.where(positions.grid_pairs(), dy * dy + dx * dx, 0).to(torch.int32)
+    largest = max((grid.height - 1) ** 2 + (grid.width - 1) ** 2 for grid in layout.images_by_grid())
+    return squared, torch.arange(largest + 1, device=device)

@@ -19,6 +19,12 @@ which has no grid position, keeps its content attention. Key mask: masked keys g
 either term (the positional softmax leaves them out); a query with no grid key left keeps its
 content attention, one with no key at all gets a zero row.
 
+On a layout of images of different grids (:class:`~posattn.positions.TokenPositions`), the logits
+v_h · r + c_h are computed for the K offsets of the layout's largest height and width, and each
+pair of a row of images reads its offset's entry by a cached per-pair index in one gather,
+(I, heads, M, M); the softmax then runs over the grid keys of the query's own image that the key
+mask keeps, and a query whose image has no such key gets gate 0, so no row needs renormalising.
+
 Local init (``local_init``, timm's ``GPSA.local_init``): with k = floor(sqrt(heads)) and c = (k - 1) / 2,
 head h1 + k h2 (h1, h2 in 0 .. k - 1) gets v_h = α (2 (h2 - c), 2 (h1 - c), -1), α =
 ``locality_strength``, so that its positional logit is -α ||(dx, dy) - Δ_h||² + const: a Gaussian
@@ -126,15 +132,18 @@ class GatedPositionalAttention(PositionalModule):
         return checked_grid_prefix(grid, self.num_prefix_tokens, 'gpsa')
 
     def position_logits(self, height: int, width: int) -> torch.Tensor:
-        """v_h · r_ij + c_h over the grid pairs: (heads, HW, HW) in ``pos_proj``'s dtype, [head, query, key].
+        """v_h · r_ij + c_h over the grid pairs: (heads, HW, HW) in ``pos_proj``'s dtype, [head, query, key]."""
+        weight = self.pos_proj.weight
+        return self._offset_logits(*relative_offsets(height, width, weight.dtype, weight.device))
 
-        Written out channel by channel, so that autocast leaves it in that dtype (its value may be
-        cached, and does not depend on whether the call runs under autocast)."""
+    def _offset_logits(self, dx: torch.Tensor, dy: torch.Tensor, squared: torch.Tensor) -> torch.Tensor:
+        """v_h · r + c_h of offsets r = (dx, dy, dx² + dy²), each of shape S in ``pos_proj``'s dtype:
+        (heads, *S). Written out channel by channel, so that autocast leaves it in that dtype (its value
+        may be cached, and does not depend on whether the call runs under autocast)."""
         weight, bias = self.pos_proj.weight, self.pos_proj.bias
-        dx, dy, squared = relative_offsets(height, width, weight.dtype, weight.device)  # each (HW, HW)
-        per_channel = weight[:, :, None, None]  # (heads, 3, 1, 1)
+        per_channel = weight.view(*weight.shape, *(1,) * dx.dim())  # (heads, 3, 1, ...)
         logits = per_channel[:, 0] * dx + per_channel[:, 1] * dy + per_channel[:, 2] * squared
-        return logits if bias is None else logits + bias[:, None, None]
+        return logits if bias is None else logits + bias.view(-1, *(1,) * dx.dim())
 
     def position_attention(self, height: int, width: int) -> torch.Tensor:
         """The positional attention softmax_j(v_h · r_ij + c_h) over the grid pairs: (heads, HW, HW),
@@ -182,34 +191,50 @@ class GatedPositionalAttention(PositionalModule):
                              **given: Any) -> torch.Tensor:
         """A of the module docstring on rows of images, ``attn`` (I, heads, M, M): each grid query's
         positional attention over the grid keys of its own image that ``key_mask`` (I, M) keeps, by
-        the offsets r_ij there; a prefix query keeps its content attention. Rows sum to 1 (0 for a
-        query with no key left)."""
+        the offsets r_ij there; a prefix query, and a grid query of an image with no grid key left,
+        keeps its content attention (its gate is 0). Rows sum to 1 as both terms' do (0 for a query
+        with no key left); (I, heads, M, M) in ``attn``'s dtype."""
         checked_grid_prefix(positions, self.num_prefix_tokens, 'gpsa')
-        weight, bias = self.pos_proj.weight, self.pos_proj.bias
-        offsets = layout_relative_offsets(positions.layout, positions.batch, weight.dtype, weight.device)  # (I, M, M, 3)
-        logits = (offsets @ weight.t()).permute(0, 3, 1, 2)  # v_h . r_ij: (I, heads, M, M)
-        logits = logits if bias is None else logits + bias[:, None, None]
         grid_keys = key_mask & positions.is_grid  # (I, M)
-        has_grid_key = grid_keys.any(-1, keepdim=True)
-        kept = grid_keys | ~has_grid_key  # a row with no grid key keeps all, so its softmax stays finite
-        position = logits.masked_fill(~kept[:, None, None, :], float('-inf')).softmax(-1)
-        position = position.masked_fill(~has_grid_key[:, :, None, None], 0.0)
-        gates = self.gate[None, :, None, None] * positions.is_grid[:, None, :, None]  # (I, heads, M, 1): 0 at prefix
-        mixed = torch.lerp(attn, position.to(attn.dtype), gates.to(attn.dtype))
-        if key_mask is positions.valid:  # padding alone is masked: both terms' rows sum to 1 already
-            return mixed
-        total = mixed.sum(-1, keepdim=True)  # < 1 where masking left a grid query no grid key
-        return mixed / total.masked_fill(total == 0, 1.0)
+        has_grid_key = grid_keys.any(-1, keepdim=True)  # (I, 1)
+        kept = grid_keys | ~has_grid_key  # an image with no grid key keeps all, so its softmax stays finite
+        logits = self._layout_position_logits(positions)  # (I, heads, M, M)
+        position = logits.masked_fill_(~kept[:, None, None, :], float('-inf')).softmax(-1)
+        mixing = positions.is_grid & has_grid_key  # (I, M): the queries that mix in a positional attention
+        gates = self.gate[None, :, None, None] * mixing[:, None, :, None]  # (I, heads, M, 1)
+        return torch.lerp(attn, position.to(attn.dtype), gates.to(attn.dtype))  # (1 - g) A_c + g A_p, one pass
+
+    def _layout_position_logits(self, positions: TokenPositions) -> torch.Tensor:
+        """v_h · r_ij + c_h of every pair of a row of images: (I, heads, M, M) in ``pos_proj``'s dtype, a
+        view of one gather from the logits of the K offsets of the layout's largest height and width,
+        (heads, K); a pair with a prefix token or padding reads some finite entry."""
+        weight, grids = self.pos_proj.weight, positions.distinct_grids
+        height, width = max(grid.height for grid in grids), max(grid.width for grid in grids)
+        table = self._offset_logits(*_offset_table(height, width, weight.dtype, weight.device))  # (heads, K)
+        pair_entry = _pair_entries(positions.layout, positions.batch, height, width, weight.device)  # (I, M, M)
+        logits = table.index_select(1, pair_entry.flatten())  # (heads, I M M): one contiguous gather a head
+        return logits.view(-1, *pair_entry.shape).transpose(0, 1)
 
     def settings(self) -> Dict[str, Any]:
         # locality_strength and local_init only initialise pos_proj
         return {'num_heads': self.num_heads, 'num_prefix_tokens': self.num_prefix_tokens}
 
 
+@grid_constant(max_bytes=64 << 20)
+def _offset_table(height: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """r = (dx, dy, dx² + dy²) of every offset of an H x W grid, dx in -(W - 1) .. W - 1 and dy in
+    -(H - 1) .. H - 1: (3, K) in ``dtype``, K = (2H - 1)(2W - 1), entry (dy + H - 1)(2W - 1) + dx + W - 1;
+    cached. A pure function of its arguments."""
+    dy, dx = torch.meshgrid(torch.arange(1 - height, height), torch.arange(1 - width, width), indexing='ij')
+    dx, dy = dx.flatten(), dy.flatten()  # (K,), exact in int64
+    return torch.stack([dx, dy, dx * dx + dy * dy]).to(device, dtype)
+
+
 @grid_constant(max_bytes=256 << 20)
-def layout_relative_offsets(layout: ImageLayout, batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """r_ij = (dx, dy, dx² + dy²), key j minus query i, of every pair of a layout's images, one a row:
-    (I, M, M, 3) in ``dtype``, channels last; cached. Only pairs of one image's grid tokens mean anything."""
-    query_minus_key = token_positions(layout, batch, device).offsets()
+def _pair_entries(layout: ImageLayout, batch: int, height: int, width: int, device: torch.device) -> torch.Tensor:
+    """The entry of :func:`_offset_table` (``height`` x ``width``, at least each image's grid) that every
+    pair of a row of a layout's images reads, its offset key minus query: (I, M, M) int64; cached. Only
+    pairs of one image's grid tokens mean anything (a prefix or padding token counts as row 0, column 0)."""
+    query_minus_key = token_positions(layout, batch, torch.device('cpu')).offsets()
     dy, dx = (-offset for offset in query_minus_key)
-    return torch.stack([dx, dy, dx * dx + dy * dy], -1).to(dtype)
+    return ((dy + height - 1) * (2 * width - 1) + dx + width - 1).to(device)

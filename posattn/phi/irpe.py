@@ -9,7 +9,9 @@ pair, are :func:`posattn.reference.irpe_bucket_ids` and :func:`posattn.reference
 (and ``docs/phi.md``). Here the id table is computed once per grid on the offset canvas, and the
 contextual terms never build an (N, N, d) tensor: q_s @ T_k gives (B, heads, N, buckets), gathered
 by the (N, N) id table; on v, the probabilities are summed into (B, heads, N, buckets) by bucket
-and multiplied by T_v.
+and multiplied by T_v. On a layout's images one a row, a bucket depending on the offset alone, each
+pair reads its id from the offset canvas of the layout's largest grid, so that it gets its image's id;
+in bias mode the tables' terms are summed on that canvas and each pair reads the sum in one gather.
 """
 from __future__ import annotations
 
@@ -99,20 +101,47 @@ def bucket_ids(height: int, width: int, num_prefix_tokens: int, method: str, rat
     return ids.to(device)
 
 
+@grid_constant(max_bytes=128 << 20)
+def layout_offset_entries(layout: ImageLayout, batch: int, device: torch.device) -> torch.Tensor:
+    """Each pair's entry on the offset canvas of a layout's images, one a row: (I, M, M) int32,
+    (dy + H - 1)(2W - 1) + dx + W - 1 for a pair of grid tokens of offset (dy, dx), H and W the most rows
+    and columns of the layout's grids, and (2H - 1)(2W - 1), the entry after the canvas, for every
+    other pair (a prefix token, padding); cached."""
+    height, width = _largest_extent(layout)
+    positions = token_positions(layout, batch, device)
+    dy, dx = positions.offsets()
+    entries = (dy + height - 1) * (2 * width - 1) + dx + width - 1
+    return torch.where(positions.grid_pairs(), entries, (2 * height - 1) * (2 * width - 1)).to(torch.int32)
+
+
+@grid_constant(max_bytes=16 << 20)
+def layout_canvas_ids(layout: ImageLayout, method: str, ratio: float,
+                      device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The bucket of every entry of a layout's offset canvas (:func:`layout_offset_entries`), (tables, E + 1)
+    int64 with E = (2H - 1)(2W - 1): each offset's (:func:`offset_buckets`), then the shared last bucket;
+    and the same read at the opposite offset, key minus query (the id T_q is read at); cached."""
+    height, width = _largest_extent(layout)
+    per_offset = offset_buckets(height, width, method, ratio).flatten(1)  # (tables, E), row-major offsets
+    shared = torch.full((len(per_offset), 1), num_buckets(method, ratio, layout.num_prefix_tokens) - 1)
+    # row-major, the opposite offset (-dy, -dx) of entry e is entry E - 1 - e
+    return (torch.cat([per_offset, shared], 1).to(device), torch.cat([per_offset.flip(1), shared], 1).to(device))
+
+
 @grid_constant(max_bytes=256 << 20)
 def layout_bucket_ids(layout: ImageLayout, batch: int, method: str, ratio: float,
                       device: torch.device) -> torch.Tensor:
-    """Bucket ids of every pair of a layout's images, one a row: (tables, I, M, M), [table, image,
-    query, key], each grid pair's as on its image's grid alone (:func:`bucket_ids`), every other pair
-    (a prefix token, padding) the shared last bucket; cached."""
-    positions = token_positions(layout, batch, torch.device('cpu'))
-    height = max(grid.height for grid in layout.grids)
-    width = max(grid.width for grid in layout.grids)
-    per_offset = offset_buckets(height, width, method, ratio)
-    dy, dx = positions.offsets()
-    grid_ids = per_offset[:, dy + height - 1, dx + width - 1]  # (tables, I, M, M)
-    shared_bucket = num_buckets(method, ratio, layout.num_prefix_tokens) - 1
-    return torch.where(positions.grid_pairs(), grid_ids, shared_bucket).to(device)
+    """Bucket ids of every pair of a layout's images, one a row: (tables, I, M, M) int64, [table, image,
+    query, key], each grid pair's as on its image's grid alone (:func:`bucket_ids`: a bucket depends on
+    the offset alone), every other pair (a prefix token, padding) the shared last bucket; cached."""
+    entries = layout_offset_entries(layout, batch, device)  # (I, M, M)
+    canvas_ids, _ = layout_canvas_ids(layout, method, ratio, device)  # (tables, E + 1)
+    return canvas_ids.index_select(1, entries.flatten()).view(-1, *entries.shape)
+
+
+def _largest_extent(layout: ImageLayout) -> Tuple[int, int]:
+    """The most rows and the most columns of a layout's grids."""
+    grids = layout.images_by_grid()
+    return max(grid.height for grid in grids), max(grid.width for grid in grids)
 
 
 class LookupTable(nn.Module):
@@ -280,8 +309,28 @@ class IRPE(PositionalModule):
     def logits_bias_at(self, q: torch.Tensor, k: torch.Tensor, positions: TokenPositions,
                        **given: Any) -> Optional[torch.Tensor]:
         """The terms on k and q on rows of images, by each pair's bucket on its image's grid:
-        (I, heads or 1, M, M)."""
+        (I, heads or 1, M, M) in bias mode, (I, heads, M, M) in ctx mode, in q's dtype."""
+        if self.mode == 'bias':
+            return self._bias_at(q, positions)
         return self._logits_bias(q, k, positions)
+
+    def _bias_at(self, q: torch.Tensor, positions: TokenPositions) -> torch.Tensor:
+        """Bias mode on rows of images. A bucket depends on the offset alone, so the sum of every table's
+        term is a function of the offset: summed on the offset canvas of the layout's largest grid,
+        (heads or 1, E + 1), in the order of :meth:`logits_bias`, then read by each pair in one gather."""
+        checked_grid_prefix(positions, self.num_prefix_tokens, 'iRPE')
+        layout = positions.layout
+        entries = layout_offset_entries(layout, positions.batch, q.device)  # (I, M, M)
+        query_minus_key, key_minus_query = layout_canvas_ids(layout, self.method, self.ratio, q.device)
+        canvas_ids = {'k': query_minus_key, 'q': key_minus_query}  # (tables, E + 1) each
+        canvas = None
+        for target in (target for target in 'kq' if target in self.on):
+            terms = [table.to(q.dtype).index_select(1, ids)  # (heads or 1, E + 1)
+                     for table, ids in zip(self._tables(target), canvas_ids[target])]
+            term = terms[0] if len(terms) == 1 else terms[0] + terms[1]
+            canvas = term if canvas is None else canvas + term
+        bias = canvas.index_select(1, entries.flatten())  # (heads or 1, I M M): one contiguous gather a head
+        return bias.view(-1, *entries.shape).transpose(0, 1)  # (I, heads or 1, M, M)
 
     def value_term_at(self, attn: torch.Tensor, positions: TokenPositions, **given: Any) -> Optional[torch.Tensor]:
         return self.term('v', attn, positions) if 'v' in self.on else None

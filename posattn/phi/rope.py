@@ -36,6 +36,11 @@ The parameters, the channel layout and the angles (computed with timm's operatio
 are timm's (``RotaryEmbeddingCat`` with ``apply_rot_embed_cat``, ``RotaryEmbeddingMixed``), so that
 ``swap_attention(model, phi='own')`` computes what a timm ``Eva`` computes. The rotation, pair by
 pair: :func:`posattn.reference.rope_rotate`.
+
+On a layout of images of different grids, one a row (:class:`~posattn.positions.TokenPositions`), each
+token reads its coordinates (a, b), or its axial cos and sin, from the table of its image's grid, the
+very values a run of that image alone computes, gathered once per layout into (I, M, ...) tensors;
+prefix tokens and padding read the angle 0 (cos 1, sin 0), which leaves them as they are.
 """
 from __future__ import annotations
 
@@ -113,6 +118,13 @@ def axial_rotation(height: int, width: int, head_dim: int, temperature: float, p
     return _cos_sin(angles)
 
 
+def _mixed_angles(coordinates: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """φ = a f1 + b f2 of every token and head: coordinates (..., N, 2) (a, b), freqs (2, heads, d / 2)
+    -> (..., heads, N, d / 2)."""
+    first, second = coordinates[..., None, :, 0, None], coordinates[..., None, :, 1, None]  # (..., 1, N, 1)
+    return first * freqs[0][:, None] + second * freqs[1][:, None]
+
+
 def _as_complex(x: torch.Tensor) -> torch.Tensor:
     """x (..., d) as the complex numbers u + iv of its channel pairs (2p, 2p + 1), (..., d / 2): a
     view of x where its strides allow one, else of a contiguous copy."""
@@ -163,9 +175,10 @@ class RotaryPositionEmbedding(PositionalModule):
     """2D rotary position embedding of the queries and keys (module docstring); no logits bias.
 
     Axial frequencies are fixed (no parameters); their sine and cosine per grid are constants of
-    the grid, cached (:func:`axial_rotation`). Mixed frequencies are learned, the layer's own
-    ``freqs`` Parameter; their rotation is computed at every call, or served by :func:`posattn.cache_positions` while the frequencies
-    are unchanged. Angles and their sine and cosine are computed in float32 at least (float64 for
+    the grid, cached (:func:`axial_rotation`), and so are those of a layout's tokens. Mixed
+    frequencies are learned, the layer's own ``freqs`` Parameter; their rotation is computed at every
+    call, or on one grid served by :func:`posattn.cache_positions` while the frequencies are
+    unchanged. Angles and their sine and cosine are computed in float32 at least (float64 for
     float64 queries), as timm does, and the rotated queries and keys keep their dtype.
 
     Args:
@@ -223,11 +236,14 @@ class RotaryPositionEmbedding(PositionalModule):
         """This layer's mixed frequencies (f1, f2), (2, heads, d / 2), its ``freqs``; None for axial."""
         return self.freqs
 
-    def queries_keys(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> Tuple[torch.Tensor, torch.Tensor]:
-        """q, k (B, heads, N, d) with their grid tokens rotated; prefix tokens as they were."""
+    def _check_heads(self, q: torch.Tensor) -> None:
         if q.shape[1] != self.num_heads or q.shape[-1] != self.head_dim:
             raise ValueError(f'rope built for {self.num_heads} heads of {self.head_dim} channels got queries of shape '
                              f'{tuple(q.shape)} (B, heads, N, head_dim)')
+
+    def queries_keys(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid) -> Tuple[torch.Tensor, torch.Tensor]:
+        """q, k (B, heads, N, d) with their grid tokens rotated; prefix tokens as they were."""
+        self._check_heads(q)
         cos, sin = self.rotation(grid, q.dtype, q.device)
         prefix = grid.num_prefix_tokens
         return self._rotate(q, cos, sin, prefix), self._rotate(k, cos, sin, prefix)
@@ -254,28 +270,23 @@ class RotaryPositionEmbedding(PositionalModule):
         coordinates = grid_coordinates(grid.height, grid.width, self.position_offset, self.reference_grid,
                                        self.axis_order, precision, device)  # (HW, 2)
         freqs = self.learned_frequencies.to(device, precision)  # (2, heads, d / 2)
-        angles = coordinates[:, 0, None] * freqs[0][:, None] + coordinates[:, 1, None] * freqs[1][:, None]
-        return _cos_sin(angles)  # angles (heads, HW, d / 2)
+        return _cos_sin(_mixed_angles(coordinates, freqs))  # angles (heads, HW, d / 2)
 
     def queries_keys_at(self, q: torch.Tensor, k: torch.Tensor, positions: TokenPositions,
                         **given: Any) -> Tuple[torch.Tensor, torch.Tensor]:
         """q, k (I, heads, M, d) on rows of images, each grid token rotated by its own row and column
         on its image's grid; prefix tokens and padding turn by the angle 0, which leaves them as they are."""
-        if q.shape[1] != self.num_heads or q.shape[-1] != self.head_dim:
-            raise ValueError(f'rope built for {self.num_heads} heads of {self.head_dim} channels got queries of shape '
-                             f'{tuple(q.shape)} (B, heads, N, head_dim)')
+        self._check_heads(q)
         precision = torch.promote_types(q.dtype, torch.float32)
         if self.frequencies == 'axial':
             cos, sin = layout_axial_rotation(positions.layout, positions.batch, self.head_dim, self.temperature,
                                              self.position_offset, self.reference_grid, self.axis_order, precision,
-                                             q.device)[:, :, None]  # (2, I, 1, M, d / 2)
+                                             q.device)[:, :, None]  # (2, I, 1, M, d / 2): the same in every head
         else:
             coordinates = layout_coordinates(positions.layout, positions.batch, self.position_offset,
                                              self.reference_grid, self.axis_order, precision, q.device)  # (I, M, 2)
             freqs = self.learned_frequencies.to(q.device, precision)  # (2, heads, d / 2)
-            angles = (coordinates[:, None, :, 0, None] * freqs[0][:, None]
-                      + coordinates[:, None, :, 1, None] * freqs[1][:, None])  # (I, heads, M, d / 2)
-            cos, sin = _cos_sin(angles)
+            cos, sin = _cos_sin(_mixed_angles(coordinates, freqs))  # (2, I, heads, M, d / 2)
         return (rotate_pairs(q.to(cos.dtype), cos, sin, self.pairing).to(q.dtype),
                 rotate_pairs(k.to(cos.dtype), cos, sin, self.pairing).to(k.dtype))
 
@@ -288,27 +299,38 @@ class RotaryPositionEmbedding(PositionalModule):
 
 
 @grid_constant(max_bytes=64 << 20)
+def _table_rows(layout: ImageLayout, batch: int, device: torch.device) -> torch.Tensor:
+    """Where each token's values lie in per-grid tables stacked in the order ``grid_id`` counts the
+    distinct grids (H W rows each, row-major), followed by one row for tokens off the grid (prefix
+    tokens, padding): (I, M) int64; cached."""
+    positions = token_positions(layout, batch, device)
+    sizes = torch.tensor([0] + [grid.height * grid.width for grid in positions.distinct_grids])
+    firsts = sizes.cumsum(0).to(device)  # (grids + 1,): where each table starts, then the extra row
+    cells = firsts[positions.grid_id][:, None] + positions.row * positions.width + positions.col
+    return torch.where(positions.is_grid, cells, firsts[-1])
+
+
+@grid_constant(max_bytes=64 << 20)
 def layout_coordinates(layout: ImageLayout, batch: int, position_offset: float,
                        reference_grid: Optional[Tuple[int, int]], axis_order: str, dtype: torch.dtype,
                        device: torch.device) -> torch.Tensor:
-    """The coordinates (a, b) of every token of a layout's images, one a row, as :func:`grid_coordinates`
-    gives them on each image's grid: (I, M, 2) in ``dtype``; 0 at prefix tokens and padding; cached."""
-    positions = token_positions(layout, batch, device)
-    rows = positions.row.to(dtype) + position_offset
-    cols = positions.col.to(dtype) + position_offset
-    if reference_grid is not None:  # the order of timm's operations, for the same rounding
-        rows = rows / positions.height.to(dtype) * reference_grid[0]
-        cols = cols / positions.width.to(dtype) * reference_grid[1]
-    first, second = (rows, cols) if axis_order == 'yx' else (cols, rows)
-    return torch.stack([first, second], dim=-1).masked_fill(~positions.is_grid[..., None], 0.0)
+    """The coordinates (a, b) of every token of a layout's images, one a row, gathered from the
+    :func:`grid_coordinates` of its image's grid, so that they are those of the image alone to the bit
+    on any device: (I, M, 2) in ``dtype``; 0 at prefix tokens and padding; cached."""
+    tables = [grid_coordinates(grid.height, grid.width, position_offset, reference_grid, axis_order, dtype, device)
+              for grid in layout.images_by_grid()]
+    off_grid = torch.zeros(1, 2, dtype=dtype, device=device)
+    return torch.cat([*tables, off_grid])[_table_rows(layout, batch, device)]
 
 
 @grid_constant(max_bytes=64 << 20)
 def layout_axial_rotation(layout: ImageLayout, batch: int, head_dim: int, temperature: float, position_offset: float,
                           reference_grid: Optional[Tuple[int, int]], axis_order: str, dtype: torch.dtype,
                           device: torch.device) -> torch.Tensor:
-    """cos and sin of the axial angles of every token of a layout's images, one a row, (2, I, M, d / 2)
-    in ``dtype``; cos 1 and sin 0 at prefix tokens and padding; cached."""
-    coordinates = layout_coordinates(layout, batch, position_offset, reference_grid, axis_order, dtype, device)
-    bands = axial_frequencies(head_dim, temperature, dtype, device)
-    return _cos_sin((coordinates[..., None] * bands).flatten(-2))  # (I, M, 2, F) -> (I, M, d / 2)
+    """cos and sin of the axial angles of every token of a layout's images, one a row, gathered from the
+    :func:`axial_rotation` of its image's grid: (2, I, M, d / 2) in ``dtype``; cos 1 and sin 0 at prefix
+    tokens and padding; cached."""
+    tables = [axial_rotation(grid.height, grid.width, head_dim, temperature, position_offset, reference_grid,
+                             axis_order, dtype, device) for grid in layout.images_by_grid()]  # (2, HW, d / 2) each
+    off_grid = _cos_sin(torch.zeros(1, head_dim // 2, dtype=dtype, device=device))  # (2, 1, d / 2)
+    return torch.cat([*tables, off_grid], dim=1)[:, _table_rows(layout, batch, device)]
