@@ -1,7 +1,8 @@
 """Rows of images in one call against an oracle that never runs the layer: each image's attention
 computed in float64 from posattn.reference's pair-by-pair formulas, in a plain loop over the images,
-for every Φp whose terms are per token or per pair; outputs, and the gradients of the Φp's parameters where the formula is differentiable,
-on padded and packed layouts of grids other than any table's, with a class token."""
+for every Φp whose terms are per token or per pair; outputs, and the gradients of the Φp's parameters
+where the formula is differentiable, on padded and packed layouts of grids other than any table's,
+with a class token."""
 import pytest
 import torch
 from einops import rearrange

@@ -190,7 +190,8 @@ class RelativePositionBias(PositionalModule):
         table, (table_height, table_width) = self.learned_table()
         along_y, along_x, pair_entry = _layout_entries(positions.layout, positions.batch, (table_height, table_width),
                                                        self.num_extra_entries, table.dtype, q.device)
-        canvas = table[:num_offsets(table_height, table_width)].unflatten(0, (2 * table_height - 1, -1))  # (Y_t, X_t, h)
+        learned = table[:num_offsets(table_height, table_width)]
+        canvas = learned.unflatten(0, (2 * table_height - 1, -1))  # (Y_t, X_t, heads)
         rows = torch.einsum('gya,axh->gyxh', along_y, canvas)  # (G, Y, X_t, h)
         entries = torch.einsum('gyxh,gzx->gyzh', rows, along_x).flatten(0, 2)  # each distinct grid's table, (E, heads)
         flat = torch.cat([entries, table[table.shape[0] - self.num_extra_entries:], table.new_zeros(1, self.num_heads)])
