@@ -225,3 +225,28 @@ def assert_trains_with_every_phi(build_model, x, **swap_options):
             grads = [p.grad for p in layer.phi.parameters()]
             assert all(g is not None and torch.isfinite(g).all() for g in grads), phi
             assert not grads or any(g.abs().sum() > 0 for g in grads), phi
+
+
+def random_key_mask(layout, generator):
+    """A random key mask (B, L) for ``layout`` that keeps each image's first token."""
+    mask = torch.rand(layout.num_rows, layout.length, generator=generator) > 0.3
+    for row, start in zip(layout.rows, layout.starts):
+        mask[row, start] = True
+    return mask
+
+
+def assert_rows_match_each_image(layer, layout, x, upstream, key_mask, inputs, oracle):
+    """The layer on ``layout`` against ``oracle(layer, tokens, grid, mask)``, each image alone (float64):
+    every image's output, and the gradients of ``inputs`` (x first) of the loss sum(out * upstream),
+    to 1e-10."""
+    out = layer(x, layout, key_mask)
+    got = torch.autograd.grad((out * upstream).sum(), inputs)
+    masks = layout.images(key_mask) if key_mask is not None else [None] * layout.num_images
+    loss = 0.0
+    for tokens, grid, mask, image_upstream, image_out in zip(layout.images(x), layout.grids, masks,
+                                                              layout.images(upstream), layout.images(out)):
+        expected = oracle(layer, tokens, grid, mask)
+        torch.testing.assert_close(image_out, expected, rtol=0, atol=1e-10)
+        loss = loss + (expected * image_upstream).sum()
+    for grad, expected_grad in zip(got, torch.autograd.grad(loss, inputs)):
+        torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-10)

@@ -12,7 +12,7 @@ from posattn import Attention, ImageLayout
 from posattn.positions import token_positions
 from posattn.reference import gpsa_attention, gpsa_position_attention
 
-from conftest import randomised
+from conftest import assert_rows_match_each_image, random_key_mask, randomised
 
 # A 3 x 3 grid (gpsa has no table size: no grid is special), a 1 x W and an H x 1, one grid twice.
 GRIDS = [(2, 3), (1, 4), (4, 1), (3, 3), (2, 3)]
@@ -60,9 +60,7 @@ def oracle(layer, tokens, grid, key_mask):
 def key_mask_of(layout, prefix, generator):
     """A random key mask (B, L) that keeps each image's first token; the second image keeps its prefix
     token alone (its grid queries no grid key), or, without prefix tokens, no key at all."""
-    mask = torch.rand(layout.num_rows, layout.length, generator=generator) > 0.3
-    for row, start in zip(layout.rows, layout.starts):
-        mask[row, start] = True
+    mask = random_key_mask(layout, generator)
     row, start = layout.rows[1], layout.starts[1]
     mask[row, start:start + layout.grids[1].num_tokens] = False
     mask[row, start:start + prefix] = True
@@ -80,20 +78,8 @@ def test_rows_of_images_match_each_image_by_the_pair_formulas(prefix, form, mask
     x = torch.randn(layout.num_rows, layout.length, DIM, generator=generator, dtype=torch.float64)
     upstream = torch.randn(x.shape, generator=generator, dtype=torch.float64)
     key_mask = key_mask_of(layout, prefix, generator) if masked else None
-    masks = layout.images(key_mask) if masked else [None] * len(layout.grids)
     inputs = [x.requires_grad_(), *layer.phi.parameters(), layer.qkv.weight]
-    out = layer(x, layout, key_mask)
-    got = torch.autograd.grad((out * upstream).sum(), inputs)
-    loss = 0.0
-    for tokens, grid, mask, image_upstream, image_out in zip(layout.images(x), layout.grids, masks,
-                                                              layout.images(upstream), layout.images(out)):
-        expected = oracle(layer, tokens, grid, mask)
-        torch.testing.assert_close(image_out, expected, rtol=0, atol=1e-10)
-        loss = loss + (expected * image_upstream).sum()
-    expected_grads = torch.autograd.grad(loss, inputs)
-    for grad, expected_grad in zip(got, expected_grads):
-        torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-10)
-
+    assert_rows_match_each_image(layer, layout, x, upstream, key_mask, inputs, oracle)
 
 def test_mixture_on_rows_keeps_the_probabilities_dtype_and_masked_keys_at_zero():
     """In bfloat16 probabilities with float32 weights, as the grid path: the result in attn's dtype,

@@ -15,8 +15,7 @@ from posattn.phi.rope import axial_rotation, layout_axial_rotation
 from posattn.positions import token_positions
 from posattn.reference import rope_rotate
 
-from conftest import randomised
-from test_layout_rpb import key_mask_of
+from conftest import random_key_mask, randomised
 
 # A grid of the reference grid (2, 3), others of no such size, a 1 x W and an H x 1, one grid twice.
 GRIDS = [(2, 3), (1, 4), (4, 1), (3, 3), (2, 3)]
@@ -107,7 +106,7 @@ def test_rows_of_images_match_each_image_rotated_by_the_reference(config, prefix
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(layout.num_rows, layout.length, DIM, generator=generator, dtype=torch.float64)
     upstream = torch.randn(x.shape, generator=generator, dtype=torch.float64)
-    key_mask = key_mask_of(layout, generator)
+    key_mask = random_key_mask(layout, generator)
     x.requires_grad_()
     inputs = [x, *layer.phi.parameters()]
     out = layer(x, layout, key_mask)

@@ -12,7 +12,7 @@ from posattn import Attention, ImageLayout, TokenGrid
 from posattn.positions import token_positions
 from posattn.reference import decomposed_relative_position_bias, relative_position_bias
 
-from conftest import randomised
+from conftest import assert_rows_match_each_image, random_key_mask, randomised
 
 # A grid of rpb's table size (2, 3), others of no table's size, a 1 x W and an H x 1, one grid twice.
 GRIDS = [(2, 3), (1, 4), (4, 1), (3, 3), (2, 3)]
@@ -39,14 +39,6 @@ def oracle(layer, tokens, grid, key_mask):
     return rearrange(attn @ v, 'h n d -> n (h d)') @ layer.proj.weight.t() + layer.proj.bias
 
 
-def key_mask_of(layout, generator):
-    """A random key mask (B, L) that keeps each image's first token."""
-    mask = torch.rand(layout.num_rows, layout.length, generator=generator) > 0.3
-    for row, start in zip(layout.rows, layout.starts):
-        mask[row, start] = True
-    return mask
-
-
 @pytest.mark.parametrize('form', ['padded', 'packed'])
 @pytest.mark.parametrize('phi,options,prefix', CASES, ids=str)
 def test_rows_of_images_match_each_image_by_the_pair_formulas(phi, options, prefix, form):
@@ -56,19 +48,9 @@ def test_rows_of_images_match_each_image_by_the_pair_formulas(phi, options, pref
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(layout.num_rows, layout.length, DIM, generator=generator, dtype=torch.float64)
     upstream = torch.randn(x.shape, generator=generator, dtype=torch.float64)
-    key_mask = key_mask_of(layout, generator)
+    key_mask = random_key_mask(layout, generator)
     inputs = [x.requires_grad_(), *layer.phi.parameters()]
-    out = layer(x, layout, key_mask)
-    got = torch.autograd.grad((out * upstream).sum(), inputs)
-    loss = 0.0
-    for tokens, grid, mask, image_upstream, image_out in zip(layout.images(x), layout.grids, layout.images(key_mask),
-                                                              layout.images(upstream), layout.images(out)):
-        expected = oracle(layer, tokens, grid, mask)
-        torch.testing.assert_close(image_out, expected, rtol=0, atol=1e-10)
-        loss = loss + (expected * image_upstream).sum()
-    expected_grads = torch.autograd.grad(loss, inputs)
-    for grad, expected_grad in zip(got, expected_grads):
-        torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-10)
+    assert_rows_match_each_image(layer, layout, x, upstream, key_mask, inputs, oracle)
 
 
 @pytest.mark.parametrize('prefix', [0, 1])
