@@ -120,6 +120,80 @@ def test_swap_families_table(example, swapped, reason):
         torch.testing.assert_close(g, e, rtol=0, atol=1e-5)
 
 
+def swap_opening_block(library):
+    """The block of docs/swap.md's opening (before its first section) that uses `library`."""
+    opening = (DOCS / 'swap.md').read_text().split('\n## ')[0]
+    blocks = re.findall(r'```python\n(.*?)```', opening, flags=re.S)
+    assert len(blocks) == 3, 'swap.md opens with one block each for timm, transformers and OpenMMLab'
+    (block,) = [b for b in blocks if library in b]
+    return block
+
+
+def swapped_phis(model):
+    from posattn.swap import SwappedAttention
+    return [m.phi.phi_name for m in model.modules() if isinstance(m, SwappedAttention)]
+
+
+def test_swap_opening_timm_block():
+    """timm's block as written: every layer gets the Φp, and with the tokens pooled each Φp trains
+    (no UnreachedPhiWarning), while the swap says it added parameters."""
+    import warnings
+
+    from posattn.swap import AddedParametersWarning
+    from posattn.unreached import UnreachedPhiWarning
+    pytest.importorskip('timm')
+    namespace = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        exec(compile(swap_opening_block("timm.create_model("), 'docs/swap.md', 'exec'), namespace)
+    kinds = {type(w.message) for w in caught}
+    assert AddedParametersWarning in kinds and UnreachedPhiWarning not in kinds
+    model = namespace['model']
+    assert swapped_phis(model) == ['peripheral'] * 12
+    logits = model(torch.randn(1, 3, 224, 224))
+    logits.sum().backward()
+    assert logits.shape == (1, 1000) and all(p.grad is not None for p in model.blocks[-1].attn.phi.parameters())
+
+
+def test_swap_opening_transformers_block(tmp_path, monkeypatch):
+    """transformers' block as written: the swap, then save_pretrained and posattn.swap.from_pretrained
+    give back the swapped model, outputs and all."""
+    pytest.importorskip('transformers', minversion='5')
+    lines = swap_opening_block('transformers.').strip().splitlines()
+    assert 'from_pretrained' in lines[-1]
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(compile('\n'.join(lines[:-1]), 'docs/swap.md', 'exec'), namespace)
+    swapped = namespace['model'].eval()
+    assert swapped_phis(swapped) == ['rope'] * 2
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = swapped(pixel_values=x).logits
+    exec(compile(lines[-1], 'docs/swap.md', 'exec'), namespace)
+    reloaded = namespace['model'].eval()
+    assert reloaded is not swapped and swapped_phis(reloaded) == ['rope'] * 2
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(pixel_values=x).logits, expected, rtol=0, atol=0)
+
+
+@needs_openmmlab
+def test_swap_opening_openmmlab_config(tmp_path):
+    """OpenMMLab's block, as a config file: mmpretrain's DeiT-T classifier with the swapped backbone
+    builds, initialises (its init_cfg no longer re-initialising the backbone) and classifies."""
+    import posattn_openmmlab  # noqa: F401  (registers the backbone, as the config's custom_imports do)
+    from mmengine.config import Config
+    from mmpretrain.registry import MODELS
+    path = tmp_path / 'deit-t_peripheral.py'
+    path.write_text(swap_opening_block('_base_'))
+    cfg = Config.fromfile(str(path))
+    assert cfg.model.backbone.type == 'PosattnSwappedBackbone' and 'arch' not in cfg.model.backbone
+    model = MODELS.build(cfg.model)
+    model.init_weights()
+    assert swapped_phis(model) == ['peripheral'] * 12
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, 224, 224), mode='tensor').shape == (1, 1000)
+
+
 @pytest.mark.slow
 def test_export_example_serves_sizes_it_was_not_traced_at(tmp_path, monkeypatch):
     """docs/export.md's block as written: the dynamic program gives the eager logits at 384 x 512."""
@@ -136,7 +210,7 @@ def test_export_example_serves_sizes_it_was_not_traced_at(tmp_path, monkeypatch)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize('page', ['phi.md', 'models.md', 'swap.md', 'export.md'])
+@pytest.mark.parametrize('page', ['phi.md', 'models.md', 'swap.md', 'export.md', 'gpu.md'])
 def test_links_between_pages_resolve(page):
     links = re.findall(r'\]\(([\w-]+\.md)\)', (DOCS / page).read_text())
     assert [link for link in links if not (DOCS / link).is_file()] == []
