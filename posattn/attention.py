@@ -28,7 +28,8 @@ class LogitsProbe(nn.Module):
     ``attn_mask``: an additive mask of the logits that is not positional (Swin's shift mask in a
     swapped Swin) or None, both passed by keyword (a hook registered ``with_kwargs=True`` sees
     them). A forward hook on it sees exactly what the layer's softmax uses, whatever called the
-    layer (``posattn.analysis`` reads attention maps this way).
+    layer (``posattn.analysis`` reads attention maps this way). On rows of images the layer then
+    writes -inf into a bias of every image at its padding keys: read it within the hook.
     """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor], grid: 'Where',
@@ -244,8 +245,14 @@ class Attention(nn.Module):
         phi_bias = phi.hook('logits_bias', where)(q, k, where, **given) if phi.gives_logits_bias else None
         self.logits_probe(q, k, phi_bias, where, key_mask=key_mask, attn_mask=attn_mask)
         bias = phi_bias if attn_mask is None else attn_mask if phi_bias is None else phi_bias + attn_mask
+        keeps_a_key = isinstance(where, TokenPositions) and key_mask is not None and where.keeps_a_key(key_mask)
+        keys = key_mask
+        if (keeps_a_key and bias is not None and not bias.requires_grad
+                and bias.shape[0] == q.shape[0] and bias.shape[-1] == k.shape[2]):
+            keys = None  # the padding folded into the bias of every image, the Φp's for this call
+            bias = where.mask_padding_keys_(bias)
         if materialised:
-            attn = attention_probs(q, k, bias, key_mask)
+            attn = attention_probs(q, k, bias, keys, keeps_a_key=keeps_a_key)
             if phi.mixes_probabilities:
                 attn = phi.hook('mix_probabilities', where)(attn, where, key_mask, **given)
             attn = self.attn_drop(attn)
@@ -254,7 +261,7 @@ class Attention(nn.Module):
             if value_term is not None:
                 out = out + value_term
         else:
-            out = biased_attention(q, k, v, bias, key_mask)
+            out = biased_attention(q, k, v, bias, keys, keeps_a_key=keeps_a_key)
         return rearrange(out, 'b h n d -> b n (h d)')
 
     def _materialises_probabilities(self) -> bool:

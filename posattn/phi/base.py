@@ -245,7 +245,9 @@ class PositionalModule(ConversionNotified, RecordedInStateDict):
     def logits_bias_at(self, q: torch.Tensor, k: torch.Tensor, positions: 'TokenPositions',
                        **given: Any) -> Optional[torch.Tensor]:
         """:meth:`logits_bias` on rows of images: broadcastable to (I, heads, M, M), each pair of tokens
-        of an image as on its grid alone, finite at every other pair (which the key mask removes)."""
+        of an image as on its grid alone, finite or -inf at every other pair (which the key mask
+        removes). The layer writes -inf into a bias of every image at its padding keys: return a tensor
+        of this call's own, or one kept for the layout that is -inf there already."""
         raise NotImplementedError
 
     def mix_probabilities_at(self, attn: torch.Tensor, positions: 'TokenPositions', key_mask: torch.Tensor,
