@@ -247,10 +247,11 @@ class Attention(nn.Module):
         bias = phi_bias if attn_mask is None else attn_mask if phi_bias is None else phi_bias + attn_mask
         keeps_a_key = isinstance(where, TokenPositions) and key_mask is not None and where.keeps_a_key(key_mask)
         keys = key_mask
-        if (keeps_a_key and bias is not None and not bias.requires_grad
-                and bias.shape[0] == q.shape[0] and bias.shape[-1] == k.shape[2]):
-            keys = None  # the padding folded into the bias of every image, the Φp's for this call
-            bias = where.mask_padding_keys_(bias)
+        if keeps_a_key and bias is not None and bias.shape[0] == q.shape[0] and bias.shape[-1] == k.shape[2]:
+            # the padding folded into the bias of every image, the Φp's for this call (a padding key's
+            # gradient is zero either way): no (I, heads, M, M) sum with the mask, forward or backward
+            keys = None
+            where.mask_padding_keys_(bias.detach())
         if materialised:
             attn = attention_probs(q, k, bias, keys, keeps_a_key=keeps_a_key)
             if phi.mixes_probabilities:
