@@ -175,9 +175,8 @@ class Attention(nn.Module):
             positions = token_positions(layout, x.shape[0], x.device)
             keys = positions.valid if key_mask is None else positions.valid & positions.gather(key_mask)
             return positions.place(self.forward_tokens(positions.gather(x), positions, keys, given))
-        return layout.per_grid(x, lambda group: self.forward_tokens(
-            layout.gather(x, group), group.grid, None if key_mask is None else layout.gather(key_mask, group),
-            given), self.proj.out_features)
+        return layout.per_grid((x, key_mask), lambda group, tokens, keys: self.forward_tokens(
+            tokens, group.grid, keys, given), self.proj.out_features)
 
     def check_layout(self, x: torch.Tensor, layout: ImageLayout) -> None:
         """Raise a ValueError unless ``x`` (B, L, C) holds ``layout``'s images with this layer's prefix tokens."""
