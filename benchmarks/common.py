@@ -7,6 +7,7 @@ in time: :func:`time_interleaved` alternates the variants round by round and rep
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import platform
 import statistics
@@ -18,6 +19,21 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 RESULTS = Path(__file__).resolve().parent / 'results'
+
+
+def keep_freed_memory() -> bool:
+    """Tell glibc's malloc to keep the memory a CPU run frees for its next allocations, as a long
+    training process settles to. Otherwise whether a step's large buffers come back from the heap or
+    from fresh pages (a page fault per 4 KiB) depends on the order of earlier allocations, and moves a
+    variant's time by up to 20% from one run to the next. False where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL('libc.so.6')
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    trim_threshold, top_pad, mmap_threshold = -1, -2, -3  # malloc.h's M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD
+    return all(mallopt(option, value) == 1 for option, value in (
+        (mmap_threshold, 1 << 30), (trim_threshold, 1 << 30), (top_pad, 256 << 20)))
 
 
 def _sync(device: torch.device) -> None:

@@ -21,7 +21,7 @@ from typing import Callable, Dict, List
 import torch
 from timm.models.naflexvit import NaFlexVit, NaFlexVitCfg, batch_patchify
 
-from common import add_out_argument, print_table, save_json, time_interleaved
+from common import add_out_argument, keep_freed_memory, print_table, save_json, time_interleaved
 from native_resolution import distinct_grids
 
 import posattn
@@ -83,6 +83,7 @@ def main() -> None:
     parser.add_argument('--repeat', type=int, default=10)
     add_out_argument(parser)
     args = parser.parse_args()
+    args.freed_memory_kept = keep_freed_memory()
     times = time_interleaved(steps(args), repeat=args.repeat, device=args.device)
     rows: List[dict] = [{'model': name, 'ms': ms, 'vs timm': ms / times['timm']} for name, ms in times.items()]
     print(f'NaFlexViT dim={args.dim} depth={args.depth} heads={args.heads}, {args.images} images of distinct '

@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from common import add_out_argument, peak_memory_mb, print_table, save_json, time_interleaved
+from common import add_out_argument, keep_freed_memory, peak_memory_mb, print_table, save_json, time_interleaved
 
 from posattn import Attention, ImageLayout, TokenGrid
 
@@ -122,13 +122,14 @@ def main() -> None:
     parser.add_argument('--batches', nargs='+', default=list(BATCHES), choices=list(BATCHES))
     add_out_argument(parser)
     args = parser.parse_args()
+    freed_memory_kept = keep_freed_memory()
     rows = run(args)
     print(f'dim={args.dim} heads={args.heads} {args.dtype} on {args.device}, {torch.get_num_threads()} threads, '
           f'torch {torch.__version__}; 32 grids: {BATCHES["32 grids"]}')
     print_table(rows, ['batch', 'Φp', 'variant', 'one call', 'ms', 'vs one grid', 'MiB', 'MiB vs one grid'])
     path = save_json(f'native-resolution-{args.device.type}-{args.dtype}', {'settings': {
         'batches': BATCHES, 'dim': args.dim, 'heads': args.heads, 'dtype': args.dtype,
-        'device': str(args.device), 'repeat': args.repeat}, 'rows': rows}, folder=args.out)
+        'device': str(args.device), 'repeat': args.repeat, 'freed memory kept': freed_memory_kept}, 'rows': rows}, folder=args.out)
     print(f'saved {path}')
 
 

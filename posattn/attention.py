@@ -28,7 +28,8 @@ class LogitsProbe(nn.Module):
     ``attn_mask``: an additive mask of the logits that is not positional (Swin's shift mask in a
     swapped Swin) or None, both passed by keyword (a hook registered ``with_kwargs=True`` sees
     them). A forward hook on it sees exactly what the layer's softmax uses, whatever called the
-    layer (``posattn.analysis`` reads attention maps this way).
+    layer (``posattn.analysis`` reads attention maps this way). On rows of images the layer then
+    writes -inf into a bias of every image at its padding keys: read it within the hook.
     """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor], grid: 'Where',
@@ -174,9 +175,8 @@ class Attention(nn.Module):
             positions = token_positions(layout, x.shape[0], x.device)
             keys = positions.valid if key_mask is None else positions.valid & positions.gather(key_mask)
             return positions.place(self.forward_tokens(positions.gather(x), positions, keys, given))
-        return layout.per_grid(x, lambda group: self.forward_tokens(
-            layout.gather(x, group), group.grid, None if key_mask is None else layout.gather(key_mask, group),
-            given), self.proj.out_features)
+        return layout.per_grid((x, key_mask), lambda group, tokens, keys: self.forward_tokens(
+            tokens, group.grid, keys, given), self.proj.out_features)
 
     def check_layout(self, x: torch.Tensor, layout: ImageLayout) -> None:
         """Raise a ValueError unless ``x`` (B, L, C) holds ``layout``'s images with this layer's prefix tokens."""
@@ -244,8 +244,15 @@ class Attention(nn.Module):
         phi_bias = phi.hook('logits_bias', where)(q, k, where, **given) if phi.gives_logits_bias else None
         self.logits_probe(q, k, phi_bias, where, key_mask=key_mask, attn_mask=attn_mask)
         bias = phi_bias if attn_mask is None else attn_mask if phi_bias is None else phi_bias + attn_mask
+        keeps_a_key = isinstance(where, TokenPositions) and key_mask is not None and where.keeps_a_key(key_mask)
+        keys = key_mask
+        if keeps_a_key and bias is not None and bias.shape[0] == q.shape[0] and bias.shape[-1] == k.shape[2]:
+            # the padding folded into the bias of every image, the Φp's for this call (a padding key's
+            # gradient is zero either way): no (I, heads, M, M) sum with the mask, forward or backward
+            keys = None
+            where.mask_padding_keys_(bias.detach())
         if materialised:
-            attn = attention_probs(q, k, bias, key_mask)
+            attn = attention_probs(q, k, bias, keys, keeps_a_key=keeps_a_key)
             if phi.mixes_probabilities:
                 attn = phi.hook('mix_probabilities', where)(attn, where, key_mask, **given)
             attn = self.attn_drop(attn)
@@ -254,7 +261,7 @@ class Attention(nn.Module):
             if value_term is not None:
                 out = out + value_term
         else:
-            out = biased_attention(q, k, v, bias, key_mask)
+            out = biased_attention(q, k, v, bias, keys, keeps_a_key=keeps_a_key)
         return rearrange(out, 'b h n d -> b n (h d)')
 
     def _materialises_probabilities(self) -> bool:

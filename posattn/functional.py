@@ -67,10 +67,11 @@ def _key_mask_terms(key_mask: torch.Tensor, q: torch.Tensor) -> Tuple[torch.Tens
 
 
 def attention_probs(q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                    key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    key_mask: Optional[torch.Tensor] = None, *, keeps_a_key: bool = False) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + bias) over the keys ``key_mask`` keeps, materialised: (B, heads, N, N).
 
-    Rows of a sequence with no key left are zero.
+    Rows of a sequence with no key left are zero; ``keeps_a_key``: the caller knows that every
+    sequence keeps a key, and the zeroing is skipped.
     """
     _check_bias(bias)
     logits = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
@@ -79,12 +80,13 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tenso
     if key_mask is None:
         return logits.softmax(dim=-1)
     mask, has_key = _key_mask_terms(key_mask, q)
-    return (logits + mask).softmax(dim=-1).masked_fill(~has_key, 0.0)
+    probs = (logits + mask).softmax(dim=-1)
+    return probs if keeps_a_key else probs.masked_fill(~has_key, 0.0)
 
 
 def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      bias: Optional[torch.Tensor] = None,
-                     key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     key_mask: Optional[torch.Tensor] = None, *, keeps_a_key: bool = False) -> torch.Tensor:
     """Scaled dot-product attention with an additive logits bias and an optional key mask.
 
     Args:
@@ -94,6 +96,8 @@ def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         key_mask: None or a bool (B, N), False for keys that get no weight (logit -inf). The CPU
             backward adds it per tile, so a batch-free bias keeps its (1, heads, N, N) gradient.
             A sequence with every key False gets a zero output.
+        keeps_a_key: the caller knows that every sequence keeps a key (a layout's own padding mask),
+            and the zeroing is skipped.
 
     Returns:
         (B, heads, N, d) = softmax(q k^T / sqrt(d) + bias + mask) v.
@@ -102,7 +106,8 @@ def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if key_mask is None:
         return _biased_attention(q, k, v, bias, None)
     mask, has_key = _key_mask_terms(key_mask, q)
-    return _biased_attention(q, k, v, bias, mask).masked_fill(~has_key, 0.0)
+    out = _biased_attention(q, k, v, bias, mask)
+    return out if keeps_a_key else out.masked_fill(~has_key, 0.0)
 
 
 def _biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],

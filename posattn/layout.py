@@ -172,12 +172,23 @@ class ImageLayout:
         for (grid, images), index in zip(self.images_by_grid().items(), indices):
             yield GridGroup(grid, images, index)
 
-    def per_grid(self, x: torch.Tensor, compute: Callable[[GridGroup], torch.Tensor], channels: int) -> torch.Tensor:
-        """``compute(group)`` -> (images, N, channels) for the images of each distinct grid, put in place:
-        (B, L, channels) like ``x`` (B, L, ...), zero at tokens of no image."""
+    def per_grid(self, tensors: Sequence[Optional[torch.Tensor]], compute: Callable[..., torch.Tensor],
+                 channels: int) -> torch.Tensor:
+        """``compute(group, *parts)`` -> (images, N, channels) for the images of each distinct grid, with
+        ``parts`` each tensor's tokens of those images (images, N, ...) (None for None), put in place:
+        (B, L, channels) like ``tensors[0]`` (B, L, ...), zero at tokens of no image. Each tensor is
+        gathered once and the outputs put back once, so the gradient of a layout of G grids costs one
+        gather and one scatter, not G."""
+        x = tensors[0]
+        groups = list(self.groups(x.device))
+        index = torch.cat([group.index.flatten() for group in groups])  # every image's tokens, grid by grid
+        sizes = [group.index.numel() for group in groups]
+        parts = [None if tensor is None else tensor.flatten(0, 1)[index].split(sizes) for tensor in tensors]
+        outputs = [compute(group, *(None if split is None else split[number].unflatten(0, group.index.shape)
+                                    for split in parts))
+                   for number, group in enumerate(groups)]
         out = x.new_zeros(x.shape[0] * x.shape[1], channels)
-        for group in self.groups(x.device):
-            out = out.index_copy(0, group.index.flatten(), compute(group).flatten(0, 1))
+        out = out.index_copy(0, index, torch.cat([output.flatten(0, 1) for output in outputs]))
         return out.view(x.shape[0], x.shape[1], channels)
 
     def valid(self, batch: Optional[int] = None, device: Optional[torch.device] = None) -> torch.Tensor:
@@ -187,10 +198,6 @@ class ImageLayout:
         for group in self.groups(device):
             mask[group.index.flatten()] = True
         return mask.view(batch, self.length)
-
-    def gather(self, x: torch.Tensor, group: GridGroup) -> torch.Tensor:
-        """The tokens of ``group``'s images: (B, L, ...) -> (images, N, ...)."""
-        return x.flatten(0, 1)[group.index]
 
     def images(self, x: torch.Tensor) -> List[torch.Tensor]:
         """Each image's tokens (N_i, ...), in the layout's order."""

@@ -49,6 +49,7 @@ class TokenPositions:
     grid_id: torch.Tensor
     sources: torch.Tensor  # (T,) the valid tokens' places in the (I * M) flattened rows
     targets: torch.Tensor  # (T,) their places in the (B * L) flattened tokens
+    padding: torch.Tensor  # (I * M - T,) the padding's places in the (I * M) flattened rows
 
     @property
     def num_prefix_tokens(self) -> int:
@@ -95,17 +96,35 @@ class TokenPositions:
         where the rows are already the images, else it repeats the last token of its image: a finite
         value, never attended to, its output dropped."""
         if self.rows_are_images:
-            return x.masked_fill(~self.valid.view(*self.valid.shape, *(1,) * (x.dim() - 2)), 0)
+            return self._zero_padding(x)
         return x.flatten(0, 1)[self.index]
 
     def place(self, out: torch.Tensor) -> torch.Tensor:
         """Rows (I, M, C) put back in the layout, (B, L, C), zero at tokens of no image."""
         if self.rows_are_images:
-            return out.masked_fill(~self.valid[..., None], 0)
+            return self._zero_padding(out)
         channels = out.shape[-1]
         flat = out.new_zeros(self.batch * self.layout.length, channels)
         flat = flat.index_copy(0, self.targets, out.reshape(-1, channels).index_select(0, self.sources))
         return flat.view(self.batch, self.layout.length, channels)
+
+    def _zero_padding(self, x: torch.Tensor) -> torch.Tensor:
+        """(I, M, ...) with the padding set to zero: a fill of its few rows (a mask over every token
+        costs three times as much)."""
+        return x.flatten(0, 1).index_fill(0, self.padding, 0).view_as(x)
+
+    def mask_padding_keys_(self, bias: torch.Tensor) -> torch.Tensor:
+        """``bias`` (I, heads, M, M), a term of the logits, set to -inf in place at every padding key:
+        the key mask folded into a bias of every image, where adding a (I, 1, 1, M) mask would write
+        another tensor as large."""
+        image, token = self.padding.div(self.length, rounding_mode='floor'), self.padding.remainder(self.length)
+        bias.permute(0, 3, 1, 2).index_put_((image, token), bias.new_full((), float('-inf')))
+        return bias
+
+    def keeps_a_key(self, key_mask: torch.Tensor) -> bool:
+        """Whether ``key_mask`` is :attr:`valid` itself, so that every row keeps a key (its image's
+        tokens): attention then need not zero the output of rows with none."""
+        return key_mask is self.valid
 
     def __str__(self) -> str:
         return str(self.layout)
@@ -120,7 +139,8 @@ def token_positions(layout: ImageLayout, batch: int, device: torch.device) -> To
 
 @grid_constant(max_bytes=64 << 20)
 def _coordinates(layout: ImageLayout, batch: int, device: torch.device) -> Tuple[torch.Tensor, ...]:
-    """index, valid, is_grid, row, col, height, width (I, M), grid_id (I,), sources and targets (T,)."""
+    """index, valid, is_grid, row, col, height, width (I, M), grid_id (I,), sources and targets (T,),
+    padding."""
     grid_ids = {grid: number for number, grid in enumerate(layout.images_by_grid())}
     counts = torch.tensor([grid.num_tokens for grid in layout.grids])  # (I,)
     heights = torch.tensor([grid.height for grid in layout.grids])
@@ -139,7 +159,9 @@ def _coordinates(layout: ImageLayout, batch: int, device: torch.device) -> Tuple
     grid_id = torch.tensor([grid_ids[grid] for grid in layout.grids])
     sources = torch.arange(valid.numel())[valid.flatten()]
     targets = index.flatten()[valid.flatten()]
-    return tuple(t.to(device) for t in (index, valid, is_grid, row, col, height, width, grid_id, sources, targets))
+    padding = torch.arange(valid.numel())[~valid.flatten()]
+    return tuple(t.to(device) for t in (index, valid, is_grid, row, col, height, width, grid_id, sources, targets,
+                                        padding))
 
 
 @grid_constant(max_bytes=256 << 20)

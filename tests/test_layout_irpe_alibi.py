@@ -162,15 +162,17 @@ def test_the_layout_bias_is_each_grids_bit_for_bit(phi, method, dtype):
             torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-def test_alibi_gives_no_bias_at_a_prefix_token_and_the_negative_distance_elsewhere():
+def test_alibi_gives_no_bias_at_a_prefix_token_the_negative_distance_elsewhere_and_masks_padding():
     layer = build('alibi', 1)
     positions = token_positions(ImageLayout.padded([(3, 4), (1, 2)], 1), 2, torch.device('cpu'))
     bias = layer.phi.logits_bias_at(torch.zeros(2, HEADS, 13, 4), None, positions)
     assert bias.shape == (2, HEADS, 13, 13) and bias.dtype == torch.float32
-    assert not bias[:, :, 0].any() and not bias[:, :, :, 0].any()
+    keys = positions.valid[:, None, None, :].expand_as(bias)  # the second image has 3 tokens, then padding
+    assert torch.isfinite(bias[keys]).all() and (bias[~keys] == float('-inf')).all()
+    assert not bias[:, :, 0][keys[:, :, 0]].any() and not bias[:, :, :, 0].any()
     slopes = alibi_slopes(HEADS)
     torch.testing.assert_close(bias[0, :, 1 + 11, 1 + 0], -slopes * math.hypot(2, 3), rtol=1e-6, atol=0)
-    assert torch.isfinite(bias).all()  # padding pairs too
+    assert layer.phi.logits_bias_at(torch.zeros(2, HEADS, 13, 4), None, positions) is bias  # made once a layout
 
 
 def test_irpe_refuses_a_layout_of_another_prefix_count():

@@ -78,3 +78,32 @@ def test_positions_place_each_token_and_put_the_rows_back():
     back = positions.place(rows)
     assert back[0, :10].flatten().tolist() == list(map(float, range(10))) and not back[0, 10:].any()
     assert not back[1].any()
+
+
+def test_rows_that_are_the_images_get_zero_padding_and_a_bias_gets_minus_infinity_at_padding_keys():
+    """A NaFlex batch (one image a row, from its first token): gathering moves nothing but zeroes the
+    padding, whatever it held; a bias of every image gets -inf at each padding key, nowhere else."""
+    layout = ImageLayout.padded([(2, 3), (1, 2)], num_prefix_tokens=1)
+    positions = token_positions(layout, 2, torch.device('cpu'))
+    assert positions.rows_are_images
+    x = torch.full((2, 7, 3), float('nan'))
+    x[0], x[1, :3] = 1.0, 2.0
+    rows = positions.gather(x)
+    assert (rows[0] == 1).all() and (rows[1, :3] == 2).all() and (rows[1, 3:] == 0).all()
+    assert torch.equal(positions.place(rows), rows)
+    bias = torch.zeros(2, 4, 7, 7)
+    assert positions.mask_padding_keys_(bias) is bias
+    padding_keys = ~positions.valid[:, None, None, :].expand_as(bias)
+    assert (bias[padding_keys] == float('-inf')).all() and (bias[~padding_keys] == 0).all()
+
+
+def test_attention_that_is_told_every_row_keeps_a_key_gives_what_it_gives_when_it_checks():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 5, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    keys = torch.tensor([[True] * 5, [True, True, False, False, False], [False, True, False, True, False]])
+    bias = torch.randn(3, 2, 5, 5, dtype=torch.float64)
+    checked = posattn.functional.biased_attention(q, k, v, bias, keys)
+    trusted = posattn.functional.biased_attention(q, k, v, bias, keys, keeps_a_key=True)
+    torch.testing.assert_close(trusted, checked, rtol=0, atol=0)
+    probs = posattn.functional.attention_probs(q, k, bias, keys, keeps_a_key=True)
+    torch.testing.assert_close(probs, posattn.functional.attention_probs(q, k, bias, keys), rtol=0, atol=0)

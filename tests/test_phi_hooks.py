@@ -97,6 +97,36 @@ def test_an_undeclared_phi_is_refused_with_the_fix():
         PositionalModule(hooks='logits_bias')
 
 
+def test_a_declared_hook_that_is_not_defined_is_refused_when_built():
+    class Undefined(PositionalModule):
+        def __init__(self, hooks):
+            super().__init__(hooks=hooks)
+
+        def logits_bias(self, q, k, grid, **given):
+            return None
+
+    with pytest.raises(TypeError, match=r"declares the hook 'value_term' but does not define it: override "
+                                        r"value_term\(...\), or leave it out of hooks"):
+        Undefined(('logits_bias', 'value_term'))
+    assert Undefined(('logits_bias',)).hooks == {'logits_bias'}
+
+
+def test_every_form_of_a_declared_hook_must_take_the_call_inputs():
+    class Narrow(PositionalModule):
+        def __init__(self):
+            super().__init__(hooks=('logits_bias',), call_inputs=('distance_embedding',))
+
+        def logits_bias(self, q, k, grid, distance_embedding):
+            return None
+
+        def logits_bias_at(self, q, k, positions):
+            return None
+
+    with pytest.raises(TypeError, match=r'Narrow.logits_bias_at does not take distance_embedding, which it '
+                                        r'declares in call_inputs: .* add them as keyword arguments, or \*\*given'):
+        Narrow()
+
+
 def test_a_phi_is_not_called_as_a_module():
     """The layer calls hooks by name: pruning, which works through a forward pre-hook, is refused;
     other hooks may be registered (tools hook every module) and never run."""

@@ -116,6 +116,22 @@ def test_mixtures_run_in_order_and_value_terms_add():
     assert irpe.mixture_parts(GRID) is None
 
 
+def test_the_mixture_parts_of_two_mixing_members_are_what_the_stack_mixes_in():
+    """(1 - g) A + g P, with g and P folded from both gpsa members, is the stack's mixture of A."""
+    torch.manual_seed(4)
+    grid = TokenGrid(3, 4)
+    layer = randomised(Attention(16, 4, phi=['gpsa', 'gpsa']).double())
+    content = torch.randn(2, 4, grid.num_tokens, grid.num_tokens, dtype=torch.float64).softmax(-1)
+    position, share = layer.phi.mixture_parts(grid)
+    assert position.shape == (4, 12, 12) and share.shape == (4,)
+    torch.testing.assert_close(position.sum(-1), torch.ones(4, 12, dtype=torch.float64), rtol=0, atol=1e-12)
+    expected = torch.lerp(content, position[None], share[None, :, None, None])
+    torch.testing.assert_close(layer.phi.mix_probabilities(content, grid), expected, rtol=0, atol=1e-12)
+    first, second = layer.phi
+    assert not torch.allclose(position, first.position_attention(3, 4))  # not the first member's alone
+    torch.testing.assert_close(1 - share, (1 - first.gate) * (1 - second.gate), rtol=0, atol=1e-15)
+
+
 def test_the_stack_declares_the_union_of_its_members():
     stack = posattn.phi.build_layer_phi(['peg', 'irpe'], [None, dict(on='kv')], dim=16, num_heads=2)
     assert isinstance(stack, PhiStack) and stack.hooks == {'tokens', 'logits_bias', 'value_term'}

@@ -231,7 +231,7 @@ class VisionTransformer(LayoutStackApi, ClassifierApi, nn.Module):
             return x
         peg = self.pegs[key]
         if isinstance(grid, ImageLayout):
-            return grid.per_grid(x, lambda group: peg.tokens(grid.gather(x, group), group.grid), x.shape[-1])
+            return grid.per_grid((x,), lambda group, tokens: peg.tokens(tokens, group.grid), x.shape[-1])
         return peg.tokens(x, grid)
 
     def _as_features(self, tokens: torch.Tensor, grid: TokenGrid) -> torch.Tensor:

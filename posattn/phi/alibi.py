@@ -32,7 +32,7 @@ from ..positions import TokenPositions, token_positions
 from .base import PositionalModule
 from .registry import register_phi
 
-__all__ = ['ALiBi2D', 'alibi_slopes', 'grid_distances', 'layout_squared_offsets']
+__all__ = ['ALiBi2D', 'alibi_slopes', 'grid_distances', 'layout_alibi_bias', 'layout_squared_offsets']
 
 
 def alibi_slopes(num_heads: int, dtype: torch.dtype = torch.float32,
@@ -98,20 +98,30 @@ class ALiBi2D(PositionalModule):
     def logits_bias_at(self, q: torch.Tensor, k: torch.Tensor, positions: TokenPositions,
                        **given: Any) -> torch.Tensor:
         """b[h, i, j] on rows of images, each pair of an image's grid tokens by its distance, zero
-        wherever a prefix token is: (I, heads, M, M) in q's dtype.
-
-        A pair's squared offset s = dy^2 + dx^2 is an exact integer: every pair reads -m_h sqrt(s) from a
-        (heads, S) table over s = 0 .. S - 1, made in the precision of :meth:`position_bias` and cast to
-        q's dtype before one gather (s = 0 at a pair with a prefix token or padding)."""
-        precision = torch.promote_types(q.dtype, torch.float32)
-        squared, levels = layout_squared_offsets(positions.layout, positions.batch, q.device)  # (I, M, M), (S,)
-        slopes = alibi_slopes(self.num_heads, precision, q.device)
-        table = (-slopes[:, None] * levels.to(precision).sqrt()).to(q.dtype)  # (heads, S)
-        bias = table.index_select(1, squared.flatten())  # (heads, I M M): one contiguous gather a head
-        return bias.view(-1, *squared.shape).transpose(0, 1)  # (I, heads, M, M)
+        wherever a prefix token is, -inf at padding keys: (I, heads, M, M) in q's dtype, made once per
+        layout (:func:`layout_alibi_bias`) and shared by every layer and call."""
+        return layout_alibi_bias(positions.layout, positions.batch, self.num_heads, q.dtype, q.device)
 
     def settings(self) -> Dict[str, Any]:
         return {'num_heads': self.num_heads}  # the slopes depend on the number of heads
+
+
+@grid_constant(max_bytes=256 << 20)
+def layout_alibi_bias(layout: ImageLayout, batch: int, num_heads: int, dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
+    """2D ALiBi on a layout's images one a row: (I, heads, M, M) in ``dtype``, -inf at padding keys;
+    cached.
+
+    A pair's squared offset s = dy^2 + dx^2 is an exact integer: every pair reads -m_h sqrt(s) from a
+    (heads, S) table over s = 0 .. S - 1, made in the precision of :meth:`ALiBi2D.position_bias` and
+    cast to ``dtype`` before one gather (s = 0 at a pair with a prefix token or padding)."""
+    positions = token_positions(layout, batch, device)
+    precision = torch.promote_types(dtype, torch.float32)
+    squared, levels = layout_squared_offsets(layout, batch, device)  # (I, M, M), (S,)
+    slopes = alibi_slopes(num_heads, precision, device)
+    table = (-slopes[:, None] * levels.to(precision).sqrt()).to(dtype)  # (heads, S)
+    bias = table.index_select(1, squared.flatten())  # (heads, I M M): one contiguous gather a head
+    return positions.mask_padding_keys_(bias.view(-1, *squared.shape).transpose(0, 1))  # (I, heads, M, M)
 
 
 @grid_constant(max_bytes=128 << 20)

@@ -29,9 +29,10 @@ position inputs, is by default every parameter and buffer it holds (:meth:`posit
 """
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
-from typing import (TYPE_CHECKING, Any, Callable, ClassVar, Dict, FrozenSet, Hashable, Iterable, Iterator, Mapping,
-                    Optional, Tuple, Union)
+from typing import (TYPE_CHECKING, Any, Callable, ClassVar, Dict, FrozenSet, Hashable, Iterable, Iterator, List,
+                    Mapping, Optional, Tuple, Union)
 
 import torch
 from torch import nn
@@ -97,6 +98,26 @@ class PositionalModule(ConversionNotified, RecordedInStateDict):
             raise TypeError(f'call_inputs is a collection of keyword names, e.g. ("distance_embedding",), '
                             f'got {call_inputs!r}')
         self.call_inputs: Tuple[str, ...] = tuple(dict.fromkeys(names))
+        self._check_hooks_defined()
+
+    def _check_hooks_defined(self) -> None:
+        """A TypeError where a declared hook is not overridden (it would contribute nothing), or where
+        one of its forms does not take the declared call inputs (it would fail at the first call)."""
+        cls = type(self)
+        for hook in sorted(self.hooks or ()):
+            defined = [form for form in (hook, f'{hook}_at') if _overrides(cls, form)]
+            if hook == 'logits_bias' and _overrides(cls, 'position_bias') and hook not in defined:
+                defined.append('position_bias')  # the default logits_bias reads it
+            if not any(form in (hook, 'position_bias') for form in defined):
+                raise TypeError(f'{cls.__name__} declares the hook {hook!r} but does not define it: override '
+                                f'{hook}(...)' + (' (or position_bias)' if hook == 'logits_bias' else '')
+                                + ', or leave it out of hooks')
+            for form in defined:
+                missing = _not_taken(getattr(cls, form), self.call_inputs)
+                if missing:
+                    raise TypeError(f'{cls.__name__}.{form} does not take {", ".join(missing)}, which it declares '
+                                    f'in call_inputs: every declared hook is called with them; add them as '
+                                    f'keyword arguments, or **given')
 
     @staticmethod
     def _checked_hooks(hooks: Iterable[str]) -> FrozenSet[str]:
@@ -177,12 +198,12 @@ class PositionalModule(ConversionNotified, RecordedInStateDict):
 
     # The hooks: each the identity or nothing, for the Φp to override where it declares one.
 
-    def tokens(self, x: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
+    def tokens(self, x: torch.Tensor, grid: TokenGrid, **given: Any) -> torch.Tensor:
         """Transform the layer's input tokens ``x`` (B, N, C) before the qkv projection."""
         return x
 
-    def queries_keys(self, q: torch.Tensor, k: torch.Tensor,
-                     grid: TokenGrid) -> Tuple[torch.Tensor, torch.Tensor]:
+    def queries_keys(self, q: torch.Tensor, k: torch.Tensor, grid: TokenGrid,
+                     **given: Any) -> Tuple[torch.Tensor, torch.Tensor]:
         """The queries and keys the logits are formed from, given the projected ones.
 
         Args:
@@ -221,13 +242,13 @@ class PositionalModule(ConversionNotified, RecordedInStateDict):
                                   'or position_bias for one that does not depend on the tokens')
 
     def mix_probabilities(self, attn: torch.Tensor, grid: TokenGrid,
-                          key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          key_mask: Optional[torch.Tensor] = None, **given: Any) -> torch.Tensor:
         """The attention probabilities, given the content ones ``attn`` (B, heads, N, N), rows summing
         to 1 (0 for a query with no key left); ``key_mask``: None, or a bool (B, N), False for keys
         no query may attend to, which the result must leave at 0. Rows of the result sum to 1."""
         return attn
 
-    def value_term(self, attn: torch.Tensor, grid: TokenGrid) -> Optional[torch.Tensor]:
+    def value_term(self, attn: torch.Tensor, grid: TokenGrid, **given: Any) -> Optional[torch.Tensor]:
         """Term added to ``attn @ v``, given the probabilities ``attn`` (B, heads, N, N)."""
         return None
 
@@ -245,7 +266,9 @@ class PositionalModule(ConversionNotified, RecordedInStateDict):
     def logits_bias_at(self, q: torch.Tensor, k: torch.Tensor, positions: 'TokenPositions',
                        **given: Any) -> Optional[torch.Tensor]:
         """:meth:`logits_bias` on rows of images: broadcastable to (I, heads, M, M), each pair of tokens
-        of an image as on its grid alone, finite at every other pair (which the key mask removes)."""
+        of an image as on its grid alone, finite or -inf at every other pair (which the key mask
+        removes). The layer writes -inf into a bias of every image at its padding keys: return a tensor
+        of this call's own, or one kept for the layout that is -inf there already."""
         raise NotImplementedError
 
     def mix_probabilities_at(self, attn: torch.Tensor, positions: 'TokenPositions', key_mask: torch.Tensor,
@@ -364,3 +387,18 @@ def cache_positions(model: nn.Module, max_bytes: int = 1 << 30) -> Iterator[Posi
     finally:
         detach(phis, cache)
         cache.clear()
+
+
+def _overrides(cls: type, name: str) -> bool:
+    """Whether ``cls`` defines ``name`` (a hook or its ``_at`` form) other than PositionalModule's."""
+    return getattr(cls, name, None) is not getattr(PositionalModule, name, None)
+
+
+def _not_taken(hook: Callable[..., Any], call_inputs: Iterable[str]) -> List[str]:
+    """The call inputs that ``hook`` takes neither by name nor through ``**kwargs``."""
+    parameters = inspect.signature(hook).parameters.values()
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
+        return []
+    named = {parameter.name for parameter in parameters
+             if parameter.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+    return [name for name in call_inputs if name not in named]

@@ -100,9 +100,25 @@ class PhiStack(PositionalModule):
         return all(member.runs_on_token_positions for member in self.members)
 
     def mixture_parts(self, grid: TokenGrid) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-        """The parts of the first member that mixes a positional attention in, or None."""
-        return next((parts for parts in (member.mixture_parts(grid) for member in self.members)
-                     if parts is not None), None)
+        """The positional attention and share of what the stack mixes in, or None where no member mixes.
+
+        Each mixing member m gives A <- (1 - g_m) A + g_m P_m in order, so the stack gives
+        (1 - g) A + g P with 1 - g = prod_m (1 - g_m) and g P = sum_m g_m prod_{n after m} (1 - g_n) P_m:
+        folded member by member here, P's rows summing to 1 (P_m's where g = 0)."""
+        combined = None
+        for parts in (member.mixture_parts(grid) for member in self.members):
+            if parts is None:
+                continue
+            if combined is None:
+                combined = parts
+                continue
+            (position, share), (member_position, member_share) = combined, parts
+            total = share + member_share - share * member_share  # (heads,)
+            weight = (share * (1 - member_share) / total.masked_fill(total == 0, 1))[:, None, None]
+            position = torch.where(total[:, None, None] == 0, member_position,
+                                   torch.lerp(member_position, position, weight))
+            combined = position, total
+        return combined
 
     @property
     def phi_name(self) -> str:
