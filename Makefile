@@ -39,8 +39,10 @@ $(STAMP): pyproject.toml Makefile tools/build_mmcv.sh | $(BIN)/python
 
 setup: $(STAMP)
 
+# One pytest worker a core, each on one thread (two threads a process on a shared core run many
+# times slower), a test file to a worker so that its fixtures are made once; the 25 slowest printed.
 test: setup
-	$(BIN)/python -m pytest -m 'environment or not environment'
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m 'environment or not environment' -n auto --dist loadfile --durations=25
 
 # The main job: train PerViT-T on the embedded positional-shapes set.
 run: setup
@@ -55,7 +57,7 @@ mmcv-wheel: | $(BIN)/python
 	$(BIN)/python -m pip install --quiet $(TORCH_PINS)
 	bash tools/build_mmcv.sh $(BIN)/python $(MMCV_BUILD_DIR)
 
-# The GPU kit (docs/performance.md, "On a GPU"). Here, with the package index at hand: make gpu-wheels.
+# The GPU kit (docs/gpu.md). Here, with the package index at hand: make gpu-wheels.
 # Then on the GPU machine, from a copy of this checkout that includes GPU_WHEELS, with no network:
 # make gpu-check, then python benchmarks/report.py with the OUT folder. gpu-check runs the interpreter
 # on PATH with its own torch (>= 2.5, whatever build the machine has), posattn installed from

@@ -1,4 +1,4 @@
-"""The GPU kit (docs/performance.md, "On a GPU"): the Makefile's gpu-wheels and gpu-check, the stages
+"""The GPU kit (docs/gpu.md; its table in docs/performance.md): the Makefile's gpu-wheels and gpu-check, the stages
 of benchmarks/gpu_check.py, and benchmarks/report.py on the results of a CPU run.
 
 The kit's test stage is ``pytest --device`` on files that this suite runs anyway: the run of the

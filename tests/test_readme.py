@@ -21,7 +21,8 @@ README = REPO / 'README.md'
 # What each make target of the README must run, after setting up the environment.
 MAKE_TARGET_COMMANDS = {
     'run': '.venv/bin/python tools/train.py configs/pervit_t_shapes.py',
-    'test': ".venv/bin/python -m pytest -m 'environment or not environment'",
+    'test': ("OMP_NUM_THREADS=1 .venv/bin/python -m pytest -m 'environment or not environment' -n auto "
+             '--dist loadfile --durations=25'),
 }
 
 
