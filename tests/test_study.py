@@ -4,7 +4,9 @@ options, inheritance and row changes; run records and their store; the verdict o
 independent oracle; the tables with every column defined and words that follow the data; the figures
 telling seeds apart; and the checks that refuse a broken study, naming the row, before any run."""
 import json
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -16,8 +18,8 @@ require_openmmlab()
 
 from posattn_openmmlab.study import RunRecord, RunStore, StudyError, checked_run_configs, load_study  # noqa: E402
 from posattn_openmmlab.study.figures import FigureLabels, comparison_figure  # noqa: E402
-from posattn_openmmlab.study.report import (SIZE_TESTS, compare, main_table, ranking_table, seeds_to_resolve,  # noqa: E402
-                                            size_table, summarise)
+from posattn_openmmlab.study.report import (SIZE_TESTS, compare, convergence, convergence_table,  # noqa: E402
+                                            main_table, ranking_table, seeds_to_resolve, size_table, summarise)
 from posattn_openmmlab.study.runs import run_options  # noqa: E402
 from posattn_openmmlab.study.spec import STUDIES, Row  # noqa: E402
 
@@ -165,6 +167,31 @@ def test_every_column_of_every_table_is_defined_under_it():
     assert 'the test images resized to each size' in images and '| 0.5x: 32 px | 1x: 64 px |' in images
 
 
+CONVERGED = [50.0, 52.0, 70.0, 80.0, 85.0, 88.0, 89.0, 89.5, 89.7, 89.9]  # 2 classes: left chance at epoch 3
+RISING = [50.0, 50.0, 50.0, 50.0, 50.0, 51.0, 62.0, 75.0, 85.0, 95.0]  # left chance at epoch 7 and still rising
+
+
+def test_convergence_finds_where_a_run_left_chance_and_how_far_its_last_epochs_moved():
+    assert convergence(CONVERGED, 50.0) == (3, pytest.approx(89.9 - 89.5))  # epochs 8, 9, 10: the last 20% and one
+    assert convergence(CONVERGED, 50.0).converged()
+    rising = convergence(RISING, 50.0)
+    assert rising == (7, 95.0 - 75.0) and not rising.converged()
+    assert convergence([10.0] * 10, 10.0) == (None, 0.0)
+
+
+def test_the_convergence_table_names_the_runs_that_have_not_converged():
+    runs = [record('a', 0, CONVERGED), record('a', 1, RISING), record('b', 0, [50.0] * 10)]
+    text = convergence_table(summarise(runs, rows_of('a', 'b')), runs, {'a': 50.0, 'b': 50.0})
+    assert '| A | 50.0 | yes | 3, 7 | 0.4, 20.0 |' in text and '| B | 50.0 | no | - | 0.0 |' in text
+    assert 'Check: every seed of a learning row left chance by half the epochs: no, not A seed 1.' in text
+    assert "Check: the last 20% of the epochs moved every run's top-1 by less than 1 point: no, A seed 1 (20.0)." in text
+    settled = [record('a', 0, CONVERGED), record('a', 1, CONVERGED)]
+    text = convergence_table(summarise(settled, rows_of('a')), settled, {'a': 50.0})
+    assert text.count(': yes.') == 2
+    for defined in ('learns: ', 'left chance: ', 'moved: '):
+        assert f'\n- {defined}' in text
+
+
 def test_the_curves_tell_the_seeds_of_a_row_apart():
     runs = [record('a', seed, [40.0 + seed, 50.0 + seed]) for seed in range(3)]
     table = summarise(runs, rows_of('a'))
@@ -237,3 +264,114 @@ def test_test_sizes_that_do_not_apply_are_refused_naming_the_row(tmp_path):
     assert 'test_extent_factors draw PositionalRelations scenes on larger canvases; this row tests on ' \
            'PositionalShapes' in str(error.value)
     check(broken_study(tmp_path, f"dict(name='ape', config='{APE}')", 'test_size_factors = (0.5, 1.5)\n'), tmp_path)
+
+
+# ---------------------------------------------------------------- running: jobs, devices, failures
+
+FAKE_TRAINER = '''
+import json, os, sys, time
+config, run_dir = sys.argv[1], sys.argv[3]
+name = os.path.basename(os.path.dirname(run_dir)) + '/' + os.path.basename(run_dir)
+with open(os.environ['FAKE_EVENTS'], 'a') as events:
+    events.write(json.dumps(dict(run=name, at='start', time=time.time(), threads=os.environ.get('OMP_NUM_THREADS'),
+                                 gpus=os.environ.get('CUDA_VISIBLE_DEVICES'))) + chr(10))
+time.sleep(0.5)
+if name in os.environ.get('FAKE_FAILS', '').split(','):
+    print('RuntimeError: this run died'); sys.exit(1)
+logs = os.path.join(run_dir, '20260101_000000', 'vis_data')
+os.makedirs(logs)
+with open(os.path.join(logs, 'scalars.json'), 'w') as scalars:
+    for epoch in (1, 2):
+        scalars.write(json.dumps({'loss': 1.0, 'lr': 0.1, 'time': 0.1, 'epoch': epoch}) + chr(10))
+        scalars.write(json.dumps({'accuracy/top1': 50.0 + epoch, 'step': epoch}) + chr(10))
+        print(f'Epoch(val) [{epoch}][1/1] - accuracy/top1: {50.0 + epoch}')
+open(os.path.join(run_dir, 'epoch_2.pth'), 'w').close()
+open(os.path.join(run_dir, 'last_checkpoint'), 'w').write(os.path.join(run_dir, 'epoch_2.pth'))
+with open(os.environ['FAKE_EVENTS'], 'a') as events:
+    events.write(json.dumps(dict(run=name, at='end', time=time.time())) + chr(10))
+'''
+
+
+@pytest.fixture
+def fake_training(tmp_path, monkeypatch):
+    """Runs train a fake tools/train.py that logs two epochs (or dies where FAKE_FAILS names the run);
+    returns the events it wrote, one dict a start or end of a run."""
+    from posattn_openmmlab.study import runs as study_runs
+    trainer = tmp_path / 'fake_train.py'
+    trainer.write_text(FAKE_TRAINER)
+    events = tmp_path / 'events.jsonl'
+    monkeypatch.setenv('FAKE_EVENTS', str(events))
+    monkeypatch.delenv('OMP_NUM_THREADS', raising=False)
+    monkeypatch.setattr(study_runs.StudyRunner, 'train_command',
+                        lambda self, config, run_dir: [sys.executable, str(trainer), str(config), '--work-dir', str(run_dir)])
+    monkeypatch.setattr(study_runs, 'count_parameters', lambda cfg: 10 ** 6)
+    return lambda: [json.loads(line) for line in events.read_text().splitlines()] if events.is_file() else []
+
+
+def study_runner(tmp_path, jobs, rows_text, lines=None, device='cpu'):
+    from posattn_openmmlab.study import StudyRunner
+    study = load_study(write_study(tmp_path, f'rows = [{rows_text}]\n'))
+    runner = StudyRunner(study, RunStore(tmp_path / 'work'), None, tmp_path,
+                         echo=(lines.append if lines is not None else lambda line: None), device=device, jobs=jobs)
+    return study, runner
+
+
+def collect(runner, study, rows, seeds):
+    from posattn_openmmlab.study import collect_runs
+    return collect_runs(runner, rows, seeds, lambda name, seed, start=None: run_options(study.rows[name], seed, {},
+                                                                                        None, start), False)
+
+
+def test_jobs_train_runs_at_once_each_with_its_share_of_the_cores_and_no_gpu(tmp_path, fake_training):
+    lines = []
+    study, runner = study_runner(tmp_path, 2, f"dict(name='a', config='{APE}'), dict(name='b', config='{APE}')", lines)
+    runs = collect(runner, study, ['a', 'b'], [0, 1])
+    assert [(run.row, run.seed, run.top1_per_epoch) for run in runs] == [
+        ('a', 0, [51.0, 52.0]), ('a', 1, [51.0, 52.0]), ('b', 0, [51.0, 52.0]), ('b', 1, [51.0, 52.0])]
+    events = fake_training()
+    running, most = 0, 0
+    for event in sorted(events, key=lambda event: event['time']):
+        running += 1 if event['at'] == 'start' else -1
+        most = max(most, running)
+    assert most == 2  # two at once, never three
+    assert {event['threads'] for event in events if event['at'] == 'start'} == {str(max(1, os.cpu_count() // 2))}
+    assert {event['gpus'] for event in events if event['at'] == 'start'} == {''}
+    assert any(line.startswith('    [a seed 1] accuracy/top1: 52.0') for line in lines)
+    assert not any('reusing' in line for line in lines)  # just trained, not reused
+
+
+def test_a_run_that_dies_is_named_the_others_finish_and_it_reruns_alone(tmp_path, fake_training, monkeypatch):
+    from posattn_openmmlab.study import RunFailed
+    monkeypatch.setenv('FAKE_FAILS', 'b/seed1')
+    rows = (f"dict(name='a', config='{APE}'), dict(name='b', config='{APE}'), "
+            f"dict(name='c', config='{APE}', start_from='b', checkpoint_keys=['load_from'])")
+    study, runner = study_runner(tmp_path, 2, rows)
+    with pytest.raises(RunFailed) as error:
+        collect(runner, study, ['a', 'b', 'c'], [0, 1])
+    message = str(error.value)
+    assert message.startswith('2 of 6 runs failed:')
+    assert f"row b, seed 1 failed; {tmp_path / 'work' / 'b' / 'seed1' / 'train.log'} ends with:" in message
+    assert 'RuntimeError: this run died' in message
+    assert 'row c, seed 1 did not train: the run it starts from failed' in message
+    assert '--rows ROW --seeds SEED (b 1; c 1)' in message
+    trained = sorted(event['run'] for event in fake_training() if event['at'] == 'end')
+    assert trained == ['a/seed0', 'a/seed1', 'b/seed0', 'c/seed0']
+    starts = {event['run']: event['time'] for event in fake_training() if event['at'] == 'start'}
+    ends = {event['run']: event['time'] for event in fake_training() if event['at'] == 'end'}
+    assert starts['c/seed0'] >= ends['b/seed0']  # a fine-tune after the run it starts from
+
+    monkeypatch.delenv('FAKE_FAILS')
+    study, runner = study_runner(tmp_path, 1, rows)
+    runs = collect(runner, study, ['b'], [1])  # the failed run alone
+    assert [(run.row, run.seed) for run in runs] == [('b', 1)]
+    runs = collect(runner, study, ['a', 'b', 'c'], [0, 1])  # then the rest: only c seed 1 is left to train
+    assert len(runs) == 6
+    trained = [event['run'] for event in fake_training() if event['at'] == 'end']
+    assert trained[4:] == ['b/seed1', 'c/seed1']
+
+
+def test_a_study_refuses_a_device_it_does_not_know_and_jobs_below_one(tmp_path):
+    with pytest.raises(ValueError, match=r"device is one of cpu, cuda, got 'tpu'"):
+        study_runner(tmp_path, 1, f"dict(name='a', config='{APE}')", device='tpu')
+    with pytest.raises(ValueError, match=r'jobs must be >= 1, got 0'):
+        study_runner(tmp_path, 0, f"dict(name='a', config='{APE}')")

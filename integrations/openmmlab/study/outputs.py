@@ -22,21 +22,23 @@ FIGURE_DPI = 90
 
 
 def write_outputs(work_dir: Path, study: Study, runs: Sequence[RunRecord], configs: Mapping[str, Config],
-                  timing: Optional[Dict[str, dict]], timing_repeats: int, command: str) -> str:
+                  timing: Optional[Dict[str, dict]], timing_repeats: int, command: str, device: str = 'cpu') -> str:
     """Writes the tables, the record and the figures of ``runs`` (``configs``: each row's run config;
-    ``timing``: :func:`~.timing.time_training_steps`'s, or None); returns the tables' text."""
+    ``timing``: :func:`~.timing.time_training_steps`'s on ``device``, or None); returns the tables' text."""
     from posattn.analysis.figures import DEFAULT_DPI
 
     from ..sizes import GENERATED
     configs = {name: cfg for name, cfg in configs.items() if any(run.row == name for run in runs)}
     table = summarise(runs, study.rows, None if timing is None else
                       {name: row['step_time_s'] for name, row in timing.items()})
-    axis = None if timing is None else f'training step time (ms; {"; ".join(batch_and_size(timing))}; CPU, 1 thread)'
+    where = 'CPU, 1 thread' if device == 'cpu' else 'GPU'
+    axis = None if timing is None else f'training step time (ms; {"; ".join(batch_and_size(timing))}; {where})'
     labels = figure_labels(configs, axis)
-    note = step_timing_note(timing, timing_repeats)
+    note = step_timing_note(timing, timing_repeats, device)
     size_tests = [(test, getattr(study, test.factors_key)) for test in SIZE_TESTS if getattr(study, test.factors_key)]
     generated = all(cfg.test_dataloader.dataset.get('type') in GENERATED for cfg in configs.values())
-    text = report_text(study.equal_within, table, runs, note, size_tests, generated)
+    chance = {name: 100 / cfg.model.head.num_classes for name, cfg in configs.items()}
+    text = report_text(study.equal_within, table, runs, note, size_tests, generated, chance)
     record = dict(command=command, study=study.name, data=None if study.data is None else str(study.data),
                   runs=[run.to_json() for run in runs],
                   table=[dict(dataclasses.asdict(line), top1=line.top1, top1_std=line.top1_std) for line in table],

@@ -19,12 +19,16 @@ from .records import RunRecord
 from .spec import Row
 
 __all__ = ['RowSummary', 'summarise', 'Verdict', 'compare', 'SizeTest', 'SIZE_TESTS', 'main_table',
-           'ranking_table', 'size_table', 'nonlocality_table', 'mean_std']
+           'ranking_table', 'size_table', 'nonlocality_table', 'mean_std', 'Convergence', 'convergence',
+           'convergence_table']
 
 CONFIDENCE = 0.95
 MIN_SEEDS = 3  # per row, for an interval
 MAX_SEEDS_TO_RESOLVE = 100
 TARGET_TOP1 = 95.0  # the column "epochs to 95%"
+ABOVE_CHANCE = 10.0  # points above chance that a run's top-1 has left chance at, and a learning row's mean ends
+LATE_SHARE = 0.2  # the last part of a run's epochs, in which a converged run's top-1 moves by less than ...
+LATE_MOVE = 1.0  # ... this many points
 
 
 @dataclasses.dataclass
@@ -137,6 +141,57 @@ def compare(above: Sequence[float], below: Sequence[float], equal_within: float)
     return Verdict(difference, (low, high), f'the seed decides ({more})')
 
 
+class Convergence(NamedTuple):
+    """How a run's validation top-1 settled (:func:`convergence`)."""
+    left_chance: Optional[int]  # the first epoch at ABOVE_CHANCE points above chance (None: never)
+    late_move: float  # max - min of top-1 over the last LATE_SHARE of the epochs and the epoch before them
+
+    def converged(self) -> bool:
+        return self.late_move < LATE_MOVE
+
+
+def convergence(top1_per_epoch: Sequence[float], chance: float) -> Convergence:
+    """Where ``top1_per_epoch`` left ``chance`` (%), and how far it moved over its last epochs: of E
+    epochs, the last ceil(LATE_SHARE E), measured from the epoch before them."""
+    late = math.ceil(LATE_SHARE * len(top1_per_epoch))
+    tail = top1_per_epoch[-late - 1:]
+    left = next((epoch for epoch, top1 in enumerate(top1_per_epoch, 1) if top1 >= chance + ABOVE_CHANCE), None)
+    return Convergence(left, max(tail) - min(tail))
+
+
+def convergence_table(table: Sequence[RowSummary], runs: Sequence[RunRecord], chance: Mapping[str, float]) -> str:
+    """Per row, where each seed left chance and how far its last epochs moved, and the two checks a
+    budget passes when every run has converged: every seed of a learning row (mean final top-1
+    ABOVE_CHANCE points above chance) leaves chance by half the epochs, and the last LATE_SHARE of
+    the epochs move every run's top-1 by less than LATE_MOVE points."""
+    lines = [f'| model | chance (%) | learns | epoch each seed left chance | last {LATE_SHARE:.0%} of epochs: '
+             'top-1 moved (points) |', '|---|---|---|---|---|']
+    late_runs, slow_seeds = [], []
+    for line in table:
+        mine = [run for run in runs if run.row == line.row]
+        found = [convergence(run.top1_per_epoch, chance[line.row]) for run in mine]
+        learns = line.top1 >= chance[line.row] + ABOVE_CHANCE
+        for run, seen in zip(mine, found):
+            if not seen.converged():
+                late_runs.append(f'{line.label} seed {run.seed} ({seen.late_move:.1f})')
+            if learns and (seen.left_chance is None or seen.left_chance > len(run.top1_per_epoch) / 2):
+                slow_seeds.append(f'{line.label} seed {run.seed}')
+        left = ', '.join('-' if seen.left_chance is None else str(seen.left_chance) for seen in found)
+        moved = ', '.join(f'{seen.late_move:.1f}' for seen in found)
+        lines.append(f'| {line.label} | {chance[line.row]:.1f} | {"yes" if learns else "no"} | {left} | {moved} |')
+    checks = [
+        'every seed of a learning row left chance by half the epochs: '
+        + ('yes' if not slow_seeds else 'no, not ' + ', '.join(slow_seeds)),
+        f'the last {LATE_SHARE:.0%} of the epochs moved every run\'s top-1 by less than {LATE_MOVE:g} point: '
+        + ('yes' if not late_runs else 'no, ' + ', '.join(late_runs)),
+    ]
+    return ('Convergence:\n\n' + '\n'.join(lines) + '\n' + _definitions([
+        f'learns: the mean final top-1 is at least {ABOVE_CHANCE:g} points above chance (100 / classes)',
+        f'left chance: the first epoch whose top-1 was at least {ABOVE_CHANCE:g} points above chance ("-": none)',
+        f'moved: the highest minus the lowest top-1 over the last {LATE_SHARE:.0%} of the epochs and the epoch '
+        'before them, per seed']) + '\n' + '\n'.join(f'Check: {check}.' for check in checks) + '\n')
+
+
 class SizeTest(NamedTuple):
     """A test of every run at other sizes, without fine-tuning: its name (the run record's key), the
     study setting of its factors, tools/test.py's option, its folder in a run's and its figure, and the words of its
@@ -242,12 +297,15 @@ def nonlocality_table(table: Sequence[RowSummary]) -> str:
 
 
 def report_text(study_equal_within: float, table: Sequence[RowSummary], runs: Sequence[RunRecord],
-                step_time_note: str, size_tests: Sequence[Tuple[SizeTest, Sequence[float]]], generated: bool) -> str:
-    """The whole of ``comparison.md``: the main table, Ω per layer, the ranking by final top-1, and for
-    each test at other sizes its table and the ranking at its largest size."""
+                step_time_note: str, size_tests: Sequence[Tuple[SizeTest, Sequence[float]]], generated: bool,
+                chance: Mapping[str, float]) -> str:
+    """The whole of ``comparison.md``: the main table, Ω per layer, the ranking by final top-1, the
+    convergence of the runs (``chance``: each row's chance top-1, %), and for each test at other sizes
+    its table and the ranking at its largest size."""
     finals = {line.row: line.finals for line in table}
     parts = [main_table(table, step_time_note), nonlocality_table(table),
-             'Ranking by final validation top-1:\n\n' + ranking_table(table, finals, study_equal_within, 'top-1')]
+             'Ranking by final validation top-1:\n\n' + ranking_table(table, finals, study_equal_within, 'top-1'),
+             convergence_table(table, runs, chance)]
     for test, factors in size_tests:
         largest = max(next(run.top1_at[test.name] for run in runs if test.name in run.top1_at), key=int)
         at_largest = {line.row: [run.top1_at[test.name][largest] for run in runs if run.row == line.row]
