@@ -129,7 +129,8 @@ def main() -> None:
     print_table(rows, ['batch', 'Φp', 'variant', 'one call', 'ms', 'vs one grid', 'MiB', 'MiB vs one grid'])
     path = save_json(f'native-resolution-{args.device.type}-{args.dtype}', {'settings': {
         'batches': BATCHES, 'dim': args.dim, 'heads': args.heads, 'dtype': args.dtype,
-        'device': str(args.device), 'repeat': args.repeat, 'freed memory kept': freed_memory_kept}, 'rows': rows}, folder=args.out)
+        'device': str(args.device), 'repeat': args.repeat, 'freed memory kept': freed_memory_kept},
+        'rows': rows}, folder=args.out)
     print(f'saved {path}')
 
 

@@ -96,6 +96,7 @@ class Attention(nn.Module):
         super().__init__()
         if num_heads < 1 or dim % num_heads:
             raise ValueError(f'dim {dim} is not divisible by num_heads {num_heads}')
+        self.dim = dim
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.num_prefix_tokens = num_prefix_tokens
@@ -151,7 +152,7 @@ class Attention(nn.Module):
             v = rearrange(self.v(x), 'b n (h d) -> b h n d', h=self.num_heads)
             q = k = self._no_content(v)
         out = self.attend(q, k, v, where, key_mask, given=given)
-        return self.proj_drop(self.proj(out))
+        return self.proj_drop(self.output_projection()(out))
 
     def forward_layout(self, x: torch.Tensor, layout: ImageLayout, key_mask: Optional[torch.Tensor],
                        given: Mapping[str, Any]) -> torch.Tensor:
@@ -176,7 +177,7 @@ class Attention(nn.Module):
             keys = positions.valid if key_mask is None else positions.valid & positions.gather(key_mask)
             return positions.place(self.forward_tokens(positions.gather(x), positions, keys, given))
         return layout.per_grid((x, key_mask), lambda group, tokens, keys: self.forward_tokens(
-            tokens, group.grid, keys, given), self.proj.out_features)
+            tokens, group.grid, keys, given), self.dim)
 
     def check_layout(self, x: torch.Tensor, layout: ImageLayout) -> None:
         """Raise a ValueError unless ``x`` (B, L, C) holds ``layout``'s images with this layer's prefix tokens."""
@@ -185,6 +186,11 @@ class Attention(nn.Module):
         if layout.num_prefix_tokens != self.num_prefix_tokens:
             raise ValueError(f'the images of this {layout} have {layout.num_prefix_tokens} prefix tokens; '
                              f'this layer has {self.num_prefix_tokens}')
+
+    def output_projection(self) -> nn.Module:
+        """The projection of the attended heads back to the tokens' width (``proj``; a swapped layer
+        may keep the model's under the model's name)."""
+        return self.proj
 
     def taking(self, offered: Mapping[str, Any]) -> Dict[str, Any]:
         """Of what a model offers every layer (its shared state), what this layer's Φp declares it reads:
@@ -291,10 +297,11 @@ class Attention(nn.Module):
     def _check_input(self, x: torch.Tensor) -> None:
         if x.dim() != 3:
             raise ValueError(f'expected tokens (B, N, C), got shape {tuple(x.shape)}')
-        if x.shape[-1] != self.proj.out_features:
-            raise ValueError(f'got tokens with {x.shape[-1]} channels; this layer has dim {self.proj.out_features}')
-        if x.dtype != self.proj.weight.dtype and not torch.is_autocast_enabled(x.device.type):
-            raise TypeError(f'tokens are {x.dtype} but the layer\'s parameters are {self.proj.weight.dtype}: '
+        if x.shape[-1] != self.dim:
+            raise ValueError(f'got tokens with {x.shape[-1]} channels; this layer has dim {self.dim}')
+        dtype = self.output_projection().weight.dtype
+        if x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(f'tokens are {x.dtype} but the layer\'s parameters are {dtype}: '
                             f'convert one to the other (model.to(dtype) or x.to(dtype)), or run under torch.autocast')
 
     def __prepare_scriptable__(self) -> 'Attention':

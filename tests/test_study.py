@@ -184,7 +184,8 @@ def test_the_convergence_table_names_the_runs_that_have_not_converged():
     text = convergence_table(summarise(runs, rows_of('a', 'b')), runs, {'a': 50.0, 'b': 50.0})
     assert '| A | 50.0 | yes | 3, 7 | 0.4, 20.0 |' in text and '| B | 50.0 | no | - | 0.0 |' in text
     assert 'Check: every seed of a learning row left chance by half the epochs: no, not A seed 1.' in text
-    assert "Check: the last 20% of the epochs moved every run's top-1 by less than 1 point: no, A seed 1 (20.0)." in text
+    assert ("Check: the last 20% of the epochs moved every run's top-1 by less than 1 point: no, A seed 1 (20.0)."
+            in text)
     settled = [record('a', 0, CONVERGED), record('a', 1, CONVERGED)]
     text = convergence_table(summarise(settled, rows_of('a')), settled, {'a': 50.0})
     assert text.count(': yes.') == 2
@@ -303,7 +304,8 @@ def fake_training(tmp_path, monkeypatch):
     monkeypatch.setenv('FAKE_EVENTS', str(events))
     monkeypatch.delenv('OMP_NUM_THREADS', raising=False)
     monkeypatch.setattr(study_runs.StudyRunner, 'train_command',
-                        lambda self, config, run_dir: [sys.executable, str(trainer), str(config), '--work-dir', str(run_dir)])
+                        lambda self, config, run_dir: [sys.executable, str(trainer), str(config), '--work-dir',
+                                                       str(run_dir)])
     monkeypatch.setattr(study_runs, 'count_parameters', lambda cfg: 10 ** 6)
     return lambda: [json.loads(line) for line in events.read_text().splitlines()] if events.is_file() else []
 

@@ -75,6 +75,8 @@ def test_none_keeps_outputs_gradients_and_names(name):
     assert set(swapped.state_dict()) == keys  # the model's names: its checkpoints load
     assert {layer.num_prefix_tokens for layer in layers(swapped)} == {prefix}
     assert all(isinstance(layer, HfAttention) for layer in layers(swapped))
+    for layer in layers(swapped):  # the model's output projection serves under its own name, no other slot
+        assert 'proj' not in layer._modules and layer.output_projection() is layer.get_submodule(layer.output_name)
     x, x_swapped = images().requires_grad_(), images().requires_grad_()
     first_tensor(model.train()(x)).square().sum().backward()  # randomised by the check above
     first_tensor(swapped.train()(x_swapped)).square().sum().backward()

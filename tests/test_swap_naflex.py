@@ -205,3 +205,25 @@ def test_each_image_of_a_siglip2_batch_gets_its_output_alone():
                       pixel_attention_mask=batch['pixel_attention_mask'][i:i + 1, :length],
                       spatial_shapes=batch['spatial_shapes'][i:i + 1]).pooler_output
         torch.testing.assert_close(pooled[i:i + 1], alone, rtol=0, atol=1e-10)
+
+
+def test_a_padding_mask_checked_in_one_thread_is_checked_again_in_another():
+    """The memo that spares a model's layers from checking one mask each is the thread's own: another
+    thread giving the same tensor for another layout, where it is no padding mask, is refused."""
+    import threading
+    from posattn.swap.core import check_padding_mask
+    fits = ImageLayout.padded([(1, 2), (1, 1)], length=2)  # the second image has one token, then padding
+    mask = torch.tensor([[True, True], [True, False]])[:, None, None, :]
+    check_padding_mask(mask, fits)
+    errors = []
+
+    def other_thread():
+        try:
+            check_padding_mask(mask, ImageLayout.padded([(1, 2), (1, 2)], length=2))
+        except ValueError as error:
+            errors.append(str(error))
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    thread.join()
+    assert errors and 'is not the padding mask of the NaFlex batch' in errors[0]
+    check_padding_mask(mask, fits)  # this thread's memo still serves

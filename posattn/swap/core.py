@@ -14,6 +14,7 @@ import json
 import sys
 import warnings
 import weakref
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -205,7 +206,7 @@ class SwappedAttention(Attention):
         tokens = self.phi.tokens(x, where, **given) if self.phi.contributes('tokens') else x
         q, k, v = self.split_heads(self.project_qkv(tokens))
         out = self.attend(q, k, v, where, key_mask, attn_mask=attn_mask, given=given)
-        return self.proj_drop(self.proj(self.before_projection(out, x)))
+        return self.proj_drop(self.output_projection()(self.before_projection(out, x)))
 
     def reads(self, name: str) -> bool:
         """Whether the layer's Φp reads ``name`` given with the call: an adapter computes a term of the
@@ -229,16 +230,16 @@ class SwappedAttention(Attention):
         self.attn_drop.p = mha.dropout
 
 
-_checked_mask = weakref.ref(torch.empty(0))  # the latest mask found to be a layout's padding mask (dead: none)
+# The latest mask found to be a layout's padding mask, in this thread or task (a dead reference: none).
+_CHECKED_MASK: ContextVar[weakref.ref] = ContextVar('posattn_checked_padding_mask', default=weakref.ref(torch.empty(0)))
 
 
 def check_padding_mask(attn_mask: torch.Tensor, layout: ImageLayout) -> None:
     """Raise a ValueError unless ``attn_mask`` (B, 1, L or 1, L; additive, or bool True = attend) lets
     every token of an image of the padded ``layout`` (one image a row) attend to exactly the tokens
     of its image, as a NaFlex model's padding mask does (rows of padding may hold anything). Each
-    mask tensor is checked once: a model hands every layer the same one."""
-    global _checked_mask
-    if _checked_mask() is attn_mask or torch.compiler.is_compiling():
+    mask tensor is checked once in a thread: a model hands every layer the same one."""
+    if _CHECKED_MASK.get()() is attn_mask or torch.compiler.is_compiling():
         return
     batch, length = attn_mask.shape[0], attn_mask.shape[-1]
     if len(set(layout.rows)) != layout.num_images:
@@ -252,11 +253,11 @@ def check_padding_mask(attn_mask: torch.Tensor, layout: ImageLayout) -> None:
         attend, blocked = attn_mask == 0, attn_mask <= torch.finfo(attn_mask.dtype).min / 2
     valid = layout.valid(batch, attn_mask.device)
     keys = valid[:, None, None, :]
-    queries = valid[:, None, :, None] if attn_mask.shape[2] == length else True
+    queries = valid[:, None, :, None] if attn_mask.shape[2] == length else valid.new_ones(())  # (B, 1, L, 1) or all
     if not torch.where(queries, torch.where(keys, attend, blocked), True).all():
         raise ValueError('the attention mask is not the padding mask of the NaFlex batch: a swapped NaFlex model '
                          'attends within each image of its batch, and takes no other mask')
-    _checked_mask = weakref.ref(attn_mask)
+    _CHECKED_MASK.set(weakref.ref(attn_mask))
 
 
 Family = Callable[[nn.Module], Optional[SwapPlan]]

@@ -53,15 +53,14 @@ class HfAttention(SwappedAttention):
 
     def take_over(self, old: nn.Module) -> None:
         self.qkv = None
-        self.proj = None  # the model's output projection serves, under its own name (:attr:`proj`)
+        del self.proj  # the model's output projection serves, under its own name (:meth:`output_projection`)
         self.output_name = 'o_proj' if hasattr(old, 'o_proj') else 'out_proj'
         self.take(old, 'q_proj', 'k_proj', 'v_proj', self.output_name)
         self.attn_drop.p = float(getattr(old, 'attention_dropout', getattr(old, 'dropout', 0.0)))
         self.config = old.config  # the model's settings, read for output_attentions
 
-    @property
-    def proj(self) -> nn.Linear:
-        """The model's output projection, which posattn's attention calls ``proj``."""
+    def output_projection(self) -> nn.Module:
+        """The model's output projection, under the model's name."""
         return self.get_submodule(self.output_name)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
@@ -149,7 +148,7 @@ class HfData2VecAttention(HfAttention):
 
     def take_over(self, old: nn.Module) -> None:
         self.qkv = None
-        self.proj = None  # output.dense serves (:attr:`proj`)
+        del self.proj  # output.dense serves (:meth:`output_projection`)
         self.take(old, 'attention', 'output')
         self.attn_drop.p, self.proj_drop.p = old.attention.dropout.p, old.output.dropout.p
         self.config = old.attention.config  # phi='own': the Φp holds the table, and the swap detaches its module
