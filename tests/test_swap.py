@@ -96,9 +96,35 @@ def test_fine_tuning_a_swapped_model_lowers_the_loss(device):
     assert model.blocks[0].attn.phi.proj2_weight.grad.abs().sum() > 0
 
 
+def test_the_refusal_lists_what_the_registered_families_cover_and_names_a_registered_refusal(monkeypatch):
+    from posattn.swap import core
+    monkeypatch.setattr(core, '_FAMILIES', dict(core._FAMILIES))
+    monkeypatch.setattr(core, '_REFUSED', dict(core._REFUSED))
+
+    class MyViT(nn.Sequential):
+        pass
+
+    class MyOtherViT(nn.Sequential):
+        pass
+    posattn.swap.register_family(covers=("mylib's MyViT",))(lambda model: None)
+    with pytest.raises(TypeError, match=r"swap_attention knows .*mylib's MyViT; timm's VisionTransformer, .*; "
+                                        r"torchvision's .*; transformers' ViTModel, .*"):
+        swap_attention(MyViT(nn.Linear(2, 2)))
+    posattn.swap.register_refusal(f'{MyOtherViT.__module__}.{MyOtherViT.__qualname__}', 'it attends across images')
+    with pytest.raises(TypeError, match=r'cannot swap .*MyOtherViT: it attends across images'):
+        swap_attention(nn.Sequential(MyOtherViT(nn.Linear(2, 2))))
+
+
+def test_a_model_of_an_openmmlab_package_is_told_to_import_posattn_openmmlab():
+    from posattn.swap.openmmlab_hint import _import_posattn_openmmlab
+    assert _import_posattn_openmmlab(['torch.nn.modules.container.Sequential']) is None
+    assert 'import posattn_openmmlab' in _import_posattn_openmmlab(['mmdet.models.detectors.mask_rcnn.MaskRCNN'])
+
+
 def test_unsupported_models_name_what_was_found():
     with pytest.raises(TypeError, match=r"no supported attention in torch.nn.modules.container.Sequential \(it has "
-                                        r"no module named as an attention\); swap_attention knows timm's VisionTransformer"):
+                                        r"no module named as an attention\); swap_attention knows "
+                                        r".*timm's VisionTransformer"):
         swap_attention(nn.Sequential(nn.Linear(2, 2)))
     with pytest.raises(TypeError, match=r"Sequential \(its attention modules, MultiheadAttention, are of no family"):
         swap_attention(nn.Sequential(nn.MultiheadAttention(4, 2, kdim=2)))

@@ -54,7 +54,7 @@ _SWINS = {
 }
 
 
-@register_family
+@register_family(covers=("mmdet's SwinTransformer", "mmseg's SwinTransformer", "mmpretrain's SwinTransformer"))
 def openmmlab_swin_transformer(model: nn.Module) -> Optional[SwapPlan]:
     SwinTransformerV2 = imported('mmpretrain.models.backbones.swin_transformer_v2', 'SwinTransformerV2')
     if SwinTransformerV2 is not None and isinstance(model, SwinTransformerV2):

@@ -75,7 +75,7 @@ def _mmpretrain_attention_refusal(attn: nn.Module) -> Optional[str]:
     return None
 
 
-@register_family
+@register_family(covers=("mmpretrain's VisionTransformer",))
 def mmpretrain_vision_transformer(model: nn.Module) -> Optional[SwapPlan]:
     VisionTransformer = imported('mmpretrain.models.backbones.vision_transformer', 'VisionTransformer')
     if VisionTransformer is None or not isinstance(model, VisionTransformer):
@@ -101,7 +101,7 @@ def mmpretrain_vision_transformer(model: nn.Module) -> Optional[SwapPlan]:
                     [model.pos_embed])
 
 
-@register_family
+@register_family(covers=("mmseg's VisionTransformer",))
 def mmseg_vision_transformer(model: nn.Module) -> Optional[SwapPlan]:
     VisionTransformer = imported('mmseg.models.backbones.vit', 'VisionTransformer')
     if VisionTransformer is None or not isinstance(model, VisionTransformer):

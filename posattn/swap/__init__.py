@@ -14,7 +14,7 @@ import importlib
 import pkgutil
 
 from .core import (AddedParametersWarning, AttentionSite, SwapPlan, SwappedAttention, load_original_weights,
-                   parameters_added_by_swap, register_family, swap_attention)
+                   parameters_added_by_swap, register_family, register_refusal, swap_attention)
 from .hf_pretrained import from_pretrained  # a swapped Hugging Face model, saved and back
 
 for _module in pkgutil.iter_modules(__path__):
@@ -22,4 +22,4 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f'{__name__}.{_module.name}')
 
 __all__ = ['swap_attention', 'parameters_added_by_swap', 'load_original_weights', 'AddedParametersWarning',
-           'from_pretrained', 'register_family', 'SwapPlan', 'AttentionSite', 'SwappedAttention']
+           'from_pretrained', 'register_family', 'register_refusal', 'SwapPlan', 'AttentionSite', 'SwappedAttention']

@@ -10,13 +10,12 @@ that says why such a model cannot be swapped). The plan lists the attention modu
 from __future__ import annotations
 
 import functools
-import json
 import sys
 import warnings
 import weakref
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import nn
@@ -29,7 +28,8 @@ from ..phi.registry import PhiSpec, checked_phi_list
 from ..unreached import warn_if_unreached
 from .token_grids import GridTracker, PatchGrid
 
-__all__ = ['AttentionSite', 'SwapPlan', 'SwappedAttention', 'GridTracker', 'register_family', 'swap_attention',
+__all__ = ['AttentionSite', 'SwapPlan', 'SwappedAttention', 'GridTracker', 'register_family', 'register_refusal',
+           'register_refusal_hint', 'register_after_swap', 'swap_attention',
            'parameters_added_by_swap', 'load_original_weights', 'AddedParametersWarning', 'described', 'imported',
            'packs_self_attention', 'check_padding_mask']
 
@@ -86,9 +86,8 @@ class SwapPlan:
             adapter computes from its own parameters and gives with the call
             (:mod:`posattn.swap.given`). An empty list where the site has no such scheme.
         installed: ``installed(site, layer)``, called for every site once all the layers are built and
-            in place, for a family whose own scheme lives beside the attention (transformers' BEiT:
-            the table in the layer around it, handed to the layer's Φp by ``phi='own'``); None for
-            none.
+            in place, for a family whose own scheme lives beside the attention (a BEiT whose table
+            sits in the layer around it, handed to the layer's Φp by ``phi='own'``); None for none.
         fixed_positions: where the model adds absolute positions that are no parameter (a sinusoidal
             embedding computed in its forward), what they are: ``own_positions=False`` cannot drop
             them and is refused with it; None where every absolute embedding is listed above.
@@ -261,44 +260,39 @@ def check_padding_mask(attn_mask: torch.Tensor, layout: ImageLayout) -> None:
 
 
 Family = Callable[[nn.Module], Optional[SwapPlan]]
-_FAMILIES: List[Family] = []
-
-# Models whose attention is not self-attention over one token grid: why each cannot be swapped.
-_REFUSED: Dict[str, str] = {
-    'timm.models.cait.Cait': "CaiT's class-attention layers attend from the class token alone, and its "
-                             'talking-heads attention mixes heads around the softmax',
-    'timm.models.xcit.Xcit': "XCiT's cross-covariance attention attends between channels, not between tokens",
-    'timm.models.levit.Levit': "LeViT's attention subsamples its queries between stages and carries its own "
-                               'learned biases on a shrinking grid; its blocks see no patch-grid sequence',
-    'timm.models.pit.PoolingVisionTransformer': "PiT's blocks take tokens whose grid is pooled by strided "
-                                                'convolutions between stages, with the class tokens carried aside',
-    'timm.models.twins.Twins': "Twins alternates locally grouped attention with global attention whose keys "
-                               'come from a strided convolution: the keys are not the query grid',
-    'transformers.models.vit_mae.modeling_vit_mae.ViTMAEModel': "ViTMAE's encoder attends over a random subset "
-                                                                'of the patches, in shuffled order (whatever its '
-                                                                'mask ratio): its tokens are not the patch grid',
-    'transformers.models.yolos.modeling_yolos.YolosModel': "YOLOS appends its detection tokens after the patch "
-                                                          'tokens: posattn lays the extra tokens before the grid',
-    'transformers.models.hiera.modeling_hiera.HieraModel': "Hiera's mask-unit attention pools its queries between "
-                                                           'stages: its queries are not the key grid',
-    'transformers.models.dinov3_vit.modeling_dinov3_vit.DINOv3ViTModel': "DINOv3's RoPE over patch coordinates is not "
-                                                                         'converted (timm\'s EVA RoPE is): swap timm\'s '
-                                                                         'DINOv3 (an Eva) instead',
-    'transformers.models.swinv2.modeling_swinv2.Swinv2Model': "Swin V2's cosine attention (normalised queries and "
-                                                              'keys times a learned logit scale, with a position '
-                                                              'bias from a continuous MLP) is not the scaled dot '
-                                                              'product posattn computes',
-}
-_OPENMMLAB = ('mmpretrain.', 'mmseg.', 'mmdet.', 'mmcv.')
+_FAMILIES: Dict[Family, Tuple[str, ...]] = {}  # each family and the models it covers, in words
+_REFUSED: Dict[str, str] = {}  # 'module.Class' of a model that cannot be swapped: why
+_HINTS: List[Callable[[Sequence[str]], Optional[str]]] = []  # what to do for a model no family knows
+_AFTER_SWAP: List[Callable[..., None]] = []  # steps of every swap once the layers are in place
 
 
-def register_family(find: Family) -> Family:
+def register_family(find: Optional[Family] = None, *, covers: Sequence[str] = ()) -> Any:
     """Add an attention family: ``find(module)`` returns a :class:`SwapPlan` for a model of the
     family, None for any other module, and raises an error naming the reason for a model of the
-    family that cannot be swapped."""
-    if find not in _FAMILIES:
-        _FAMILIES.append(find)
-    return find
+    family that cannot be swapped; ``covers``: the models it swaps, in words, listed when a model
+    is refused. Used as ``@register_family`` or ``@register_family(covers=(...))``."""
+    def register(function: Family) -> Family:
+        _FAMILIES[function] = tuple(covers)
+        return function
+    return register if find is None else register(find)
+
+
+def register_refusal(model_class: str, reason: str) -> None:
+    """A model of ``model_class`` (``'module.Class'``, matched against the classes of a model's
+    modules and their bases) cannot be swapped, for ``reason``."""
+    _REFUSED[model_class] = reason
+
+
+def register_refusal_hint(hint: Callable[[Sequence[str]], Optional[str]]) -> None:
+    """``hint(classes)``: for a model no family knows, given the ``'module.Class'`` of its modules and
+    their bases, what would make it swappable (a package to import), or None."""
+    _HINTS.append(hint)
+
+
+def register_after_swap(step: Callable[..., None]) -> None:
+    """``step(model, phi, phi_cfg, own_positions)`` runs after every swap, once its layers are in
+    place (a library whose models carry a config records the swap in it)."""
+    _AFTER_SWAP.append(step)
 
 
 def _plans(model: nn.Module) -> List[SwapPlan]:
@@ -314,17 +308,24 @@ def _refusal(model: nn.Module) -> str:
     for name, reason in _REFUSED.items():
         if name in classes:
             return f'cannot swap {name}: {reason}'
-    if any(name.startswith(_OPENMMLAB) for name in classes):
-        return (f'no supported OpenMMLab model in {described(model)}: import posattn_openmmlab, which adds '
-                "mmpretrain's and mmseg's VisionTransformer and mmdet's SwinTransformer")
+    for hint in _HINTS:
+        found = hint(sorted(classes))
+        if found is not None:
+            return f'no supported attention in {described(model)}: {found}'
     attentions = sorted({type(m).__name__ for m in model.modules() if 'attention' in type(m).__name__.lower()})
     seen = (f' (its attention modules, {", ".join(attentions[:4])}{", ..." if len(attentions) > 4 else ""}, are '
             'of no family swap_attention knows)' if attentions else ' (it has no module named as an attention)')
-    return (f'no supported attention in {described(model)}{seen}; swap_attention knows timm\'s VisionTransformer, '
-            'NaFlexVit, Eva, Beit, VisionTransformerRelPos, VisionTransformerSAM, ConVit and SwinTransformer, '
-            "torchvision's VisionTransformer and SwinTransformer, transformers' ViT, DeiT, ViT-MSN, I-JEPA, Pixio, "
-            'DINOv2, BEiT, Data2VecVision, Swin and CLIP, Chinese-CLIP, SigLIP, SigLIP 2 and AIMv2 vision models, '
-            'and (with posattn_openmmlab imported) the OpenMMLab ViTs and Swin')
+    return f'no supported attention in {described(model)}{seen}; swap_attention knows {_known_models()}'
+
+
+def _known_models() -> str:
+    """What the registered families cover, by library: "timm's VisionTransformer, Eva; torchvision's ..."."""
+    by_library: Dict[str, List[str]] = {}
+    for covered in _FAMILIES.values():
+        for words in covered:
+            library, _, name = words.partition(' ')
+            by_library.setdefault(library, []).append(name)
+    return '; '.join(f'{library} {", ".join(names)}' for library, names in sorted(by_library.items()))
 
 
 def swap_attention(model: nn.Module, phi: PhiSpec = 'peripheral', *, own_positions: bool = True,
@@ -369,6 +370,27 @@ def swap_attention(model: nn.Module, phi: PhiSpec = 'peripheral', *, own_positio
     that adds trainable parameters says so in one :class:`AddedParametersWarning` (a Φp
     without parameters, ``'none'`` or ``'own'`` adds none).
     """
+    plans = _planned(model, own_positions)
+    names, configs = _phi_names(phi, phi_cfg)
+    built = _built(model, plans, names, configs, own_positions)
+    _install(built)
+    _finish(model, built, phi, phi_cfg, own_positions)
+    return model
+
+
+@dataclass(frozen=True)
+class _Built:
+    """What a swap builds before the model changes, so that a bad option leaves the model as it was."""
+    plans: Tuple[SwapPlan, ...]
+    phi_names: Tuple[str, ...]
+    layers: Tuple[Tuple[AttentionSite, 'SwappedAttention'], ...]  # each site and the layer that replaces it
+    trackers: Tuple[Tuple[SwapPlan, GridTracker], ...]  # each plan's grid tracker, where it has a patch projection
+    installs: Tuple[Callable[[], None], ...]  # the plans' steps once every layer is in place
+    converting: bool  # phi='own'
+
+
+def _planned(model: nn.Module, own_positions: bool) -> List[SwapPlan]:
+    """The plans of ``model``'s swappable parts, or the error that says why there are none."""
     if any(isinstance(m, SwappedAttention) for m in model.modules()):
         raise ValueError(f'the attention of {described(model)} is already swapped; build the original '
                          'model again to swap in another Φp')
@@ -379,91 +401,91 @@ def swap_attention(model: nn.Module, phi: PhiSpec = 'peripheral', *, own_positio
     if fixed and not own_positions:
         raise ValueError(f'own_positions=False cannot drop the positions of {fixed[0].family}: '
                          f'{fixed[0].fixed_positions}; keep them (own_positions=True)')
-    names, configs = _phi_names(phi, phi_cfg)
+    return plans
+
+
+def _built(model: nn.Module, plans: Sequence[SwapPlan], names: Sequence[str], configs: Sequence[Any],
+           own_positions: bool) -> _Built:
+    """Every replacing layer, with its Φp, and each plan's grid tracker: nothing of the model changed."""
     converting = OWN in names
     if converting:
         _check_own(plans, [config for name, config in zip(names, configs) if name == OWN])
     held_before = {id(param) for param in model.parameters()}
-    replacements = []  # all built before the model changes, so a bad option leaves it as it was
-    installs: List[Callable[[], None]] = []
+    layers, trackers, installs = [], [], []
     for plan in plans:
         tracker = GridTracker() if plan.patch_projection is not None else None
         for index, site in enumerate(plan.sites):
-            old = site.module
-            reference = next(old.parameters())
-            members = [plan.own_phi(site, index) if name == OWN else
-                       build_layer_phi(name, config, dim=site.dim, num_heads=site.num_heads,
-                                       num_prefix_tokens=site.num_prefix_tokens, layer_index=index,
-                                       num_layers=len(plan.sites)).to(reference.device, reference.dtype)
-                       for name, config in zip(names, configs)]
-            # the model's own relative scheme, kept beside the named Φp, comes first ('none' adds nothing to it)
-            kept = plan.kept_phi(site, index) if own_positions and not converting else []
-            if kept:
-                members = kept + [member for name, member in zip(names, members) if name != NONE]
-            built = members[0] if len(members) == 1 else PhiStack(members)
-            layer = plan.adapter.replacing(old, built, site)
+            layer = _built_layer(plan, site, index, names, configs, own_positions and not converting, held_before)
             layer.grid_tracker = tracker
-            _hand_own_parameters_to_phi(layer)
-            if kept and len(members) > len(kept):
-                _rename_named_phi_keys(layer, members[len(kept):], len(kept))
-            layer.added_parameter_names = tuple(name for name, param in layer.named_parameters()
-                                                if id(param) not in held_before)
-            replacements.append((site, layer))
+            layers.append((site, layer))
             if plan.installed is not None:
                 installs.append(functools.partial(plan.installed, site, layer))
         if tracker is not None:
-            replacements.append((plan, tracker))
-    for target, replacement in replacements:
-        if isinstance(target, AttentionSite):
-            setattr(target.parent, target.name, replacement)
-        else:
-            replacement.attach(target.patch_projection, [site.parent for site in target.sites], target.patch_grid)
-    for install in installs:
+            trackers.append((plan, tracker))
+    return _Built(tuple(plans), tuple(names), tuple(layers), tuple(trackers), tuple(installs), converting)
+
+
+def _built_layer(plan: SwapPlan, site: AttentionSite, index: int, names: Sequence[str], configs: Sequence[Any],
+                 keep_own: bool, held_before: Set[int]) -> 'SwappedAttention':
+    """The layer that replaces ``site``, the ``index``-th of ``plan``: the named Φp (or the model's own
+    converted), after the model's own relative scheme where it is kept (``keep_own``)."""
+    old = site.module
+    reference = next(old.parameters())
+    members = [plan.own_phi(site, index) if name == OWN else
+               build_layer_phi(name, config, dim=site.dim, num_heads=site.num_heads,
+                               num_prefix_tokens=site.num_prefix_tokens, layer_index=index,
+                               num_layers=len(plan.sites)).to(reference.device, reference.dtype)
+               for name, config in zip(names, configs)]
+    # the model's own relative scheme, kept beside the named Φp, comes first ('none' adds nothing to it)
+    kept = plan.kept_phi(site, index) if keep_own else []
+    if kept:
+        members = kept + [member for name, member in zip(names, members) if name != NONE]
+    layer = plan.adapter.replacing(old, members[0] if len(members) == 1 else PhiStack(members), site)
+    _hand_own_parameters_to_phi(layer)
+    if kept and len(members) > len(kept):
+        _rename_named_phi_keys(layer, members[len(kept):], len(kept))
+    layer.added_parameter_names = tuple(name for name, param in layer.named_parameters()
+                                        if id(param) not in held_before)
+    return layer
+
+
+def _install(built: _Built) -> None:
+    """The layers in place of the sites, the trackers on the patch projections, then the plans' steps."""
+    for site, layer in built.layers:
+        setattr(site.parent, site.name, layer)
+    for plan, tracker in built.trackers:
+        tracker.attach(plan.patch_projection, [site.parent for site in plan.sites], plan.patch_grid)
+    for install in built.installs:
         install()
+
+
+def _finish(model: nn.Module, built: _Built, phi: PhiSpec, phi_cfg: Mapping[str, Any], own_positions: bool) -> None:
+    """After the layers are in place: the model's own positions dropped where asked, the registered
+    after-swap steps, and the warnings (parameters added, a Φp no gradient reaches)."""
     if not own_positions:
-        _drop_own_positions(plans, relative=not converting)
-    _record_swap(model, phi, phi_cfg, own_positions)
-    layers = [layer for _, layer in replacements if isinstance(layer, SwappedAttention)]
+        _drop_own_positions(built.plans, relative=not built.converting)
+    for step in _AFTER_SWAP:
+        step(model, phi, phi_cfg, own_positions)
+    layers = [layer for _, layer in built.layers]
     added = [param for param in _added_parameters(layers) if param.requires_grad]
     if added:
-        warnings.warn(_added_parameters_message(model, ' + '.join(names), added, len(layers)), AddedParametersWarning,
-                      stacklevel=2)
+        warnings.warn(_added_parameters_message(model, ' + '.join(built.phi_names), added, len(layers)),
+                      AddedParametersWarning, stacklevel=3)
+    _warn_unreached_readouts(model, built.plans)
+
+
+def _warn_unreached_readouts(model: nn.Module, plans: Sequence[SwapPlan]) -> None:
+    """For each swapped model whose output reads its prefix tokens alone after its last site, a
+    :class:`~posattn.UnreachedPhiWarning` where that site's Φp cannot reach them."""
     paths = {id(module): path for path, module in model.named_modules()}
-    for plan in plans:  # each swapped model whose output reads its prefix tokens alone after its last site
+    for plan in plans:
         if plan.prefix_readout is not None and plan.sites:
             readout, pooling = plan.prefix_readout
             last = plan.sites[-1]
             warn_if_unreached(paths[id(last.parent)] + ('.' if paths[id(last.parent)] else '') + last.name,
                               getattr(last.parent, last.name), readout,
                               f'Pool the grid tokens to train it ({pooling}).' if pooling else
-                              'Freeze it (requires_grad_(False)) so that no optimiser moves it.')
-    return model
-
-
-SWAP_RECORD = 'posattn_swap'  # the attribute of a transformers config that records the swap
-
-
-def _record_swap(model: nn.Module, phi: PhiSpec, phi_cfg: Mapping[str, Any], own_positions: bool) -> None:
-    """A Hugging Face model's config (the one ``save_pretrained`` writes) records the swap, so that
-    :func:`posattn.swap.hf_pretrained.from_pretrained` swaps the same Φp in again."""
-    config = getattr(model, 'config', None)
-    if hasattr(config, 'to_json_string'):  # a transformers PretrainedConfig
-        options = dict(phi_cfg)
-        try:
-            json.dumps(options)
-        except TypeError:  # the config must stay writable: options JSON cannot hold are not recorded
-            options = None
-        phi = phi if isinstance(phi, str) else list(phi)
-        setattr(config, SWAP_RECORD, dict(phi=phi, phi_cfg=options, own_positions=own_positions,
-                                          phi_records=swapped_phi_records(model)))
-
-
-def swapped_phi_records(model: nn.Module) -> List[Dict[str, Any]]:
-    """What the Φp of ``model``'s swapped layers are, in depth order (:mod:`posattn.phi.record`):
-    each layer's Φp, its own record and those of a stack's members."""
-    return [{path: module.state_dict_record() for path, module in layer.phi.named_modules()
-             if isinstance(module, PositionalModule)}
-            for layer in model.modules() if isinstance(layer, SwappedAttention)]
+                              'Freeze it (requires_grad_(False)) so that no optimiser moves it.', stacklevel=5)
 
 
 class AddedParametersWarning(UserWarning):
@@ -544,7 +566,7 @@ def _hand_own_parameters_to_phi(layer: 'SwappedAttention') -> None:
     A parameter that the adapter took over from the replaced module (a relative position table)
     and that the Φp now holds leaves the adapter, so that it is saved once, under the Φp's name;
     weights saved before the swap still load: a pre-hook renames their keys. A submodule of the
-    adapter all of whose state the Φp holds (transformers' module around a table) leaves it too
+    adapter all of whose state the Φp holds (a module of the model's around a table) leaves it too
     (:func:`hand_held_modules_to_phi`).
     """
     phi_names = {id(param): name for name, param in layer.phi.named_parameters()}
@@ -564,7 +586,7 @@ def hand_held_modules_to_phi(owner: nn.Module, layer: 'SwappedAttention', layer_
     the same parameters, saved once under the Φp's name. Weights saved before the swap still load
     into ``owner``: a pre-hook renames the module's keys onto the Φp's (``layer_path``: the path of
     ``layer`` in ``owner``, '' where it is ``owner``). For a family whose scheme lives beside the
-    attention, in the block around it (transformers' BEiT), call it from ``SwapPlan.installed``.
+    attention, in the block around it (a BEiT's), call it from ``SwapPlan.installed``.
     """
     phi_names = {id(param): name for name, param in layer.phi.named_parameters()}
     inside_phi = {id(module) for module in layer.phi.modules()}

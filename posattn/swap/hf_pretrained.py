@@ -22,10 +22,40 @@ from typing import Any, Dict, List, Mapping, Tuple, Union
 import torch
 from torch import nn
 
+from ..phi import PositionalModule
 from ..phi.record import difference
-from .core import SWAP_RECORD, SwappedAttention, swap_attention, swapped_phi_records
+from ..phi.registry import PhiSpec
+from .core import SwappedAttention, register_after_swap, swap_attention
 
 __all__ = ['from_pretrained']
+
+SWAP_RECORD = 'posattn_swap'  # the attribute of a transformers config that records the swap
+
+
+def _record_swap(model: nn.Module, phi: PhiSpec, phi_cfg: Mapping[str, Any], own_positions: bool) -> None:
+    """A Hugging Face model's config (the one ``save_pretrained`` writes) records the swap, so that
+    :func:`posattn.swap.hf_pretrained.from_pretrained` swaps the same Φp in again."""
+    config = getattr(model, 'config', None)
+    if hasattr(config, 'to_json_string'):  # a transformers PretrainedConfig
+        options = dict(phi_cfg)
+        try:
+            json.dumps(options)
+        except TypeError:  # the config must stay writable: options JSON cannot hold are not recorded
+            options = None
+        phi = phi if isinstance(phi, str) else list(phi)
+        setattr(config, SWAP_RECORD, dict(phi=phi, phi_cfg=options, own_positions=own_positions,
+                                          phi_records=swapped_phi_records(model)))
+
+
+def swapped_phi_records(model: nn.Module) -> List[Dict[str, Any]]:
+    """What the Φp of ``model``'s swapped layers are, in depth order (:mod:`posattn.phi.record`):
+    each layer's Φp, its own record and those of a stack's members."""
+    return [{path: module.state_dict_record() for path, module in layer.phi.named_modules()
+             if isinstance(module, PositionalModule)}
+            for layer in model.modules() if isinstance(layer, SwappedAttention)]
+
+
+register_after_swap(_record_swap)
 
 # What save_pretrained writes, in the order transformers prefers them: one file, or an index of shards.
 _WEIGHT_FILES = (('model.safetensors', 'model.safetensors.index.json'),

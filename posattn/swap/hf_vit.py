@@ -37,7 +37,7 @@ from ..layout import ImageLayout
 from ..phi import PositionalModule
 from ..phi.rpb import RelativePositionBias
 from .core import (AttentionSite, SwapPlan, SwappedAttention, check_padding_mask, described,
-                   hand_held_modules_to_phi, register_family)
+                   hand_held_modules_to_phi, register_family, register_refusal)
 from .given import GivenBias
 from .token_grids import PatchGrid
 from .window_tables import RELATIVE_POSITION_BIAS, WindowTableAttention
@@ -292,7 +292,7 @@ _MODELS: Dict[str, _Model] = {
 }
 
 
-@register_family
+@register_family(covers=tuple(f"transformers' {name}" for name in _MODELS))
 def hf_vision_transformer(model: nn.Module) -> Optional[SwapPlan]:
     if not type(model).__module__.startswith('transformers.models.'):
         return None
@@ -326,3 +326,23 @@ def _site(index: int, parent: nn.Module, name: str, attn: nn.Module, num_prefix_
         raise TypeError(f'layer {index} attends in {attn.q_proj.out_features} channels, not the model width {width} '
                         '(head_dim): posattn.Attention splits the width into its heads')
     return AttentionSite(parent, name, width, heads, num_prefix_tokens)
+
+
+# transformers' vision models whose attention is not self-attention over one token grid
+for _model, _reason in {
+    'transformers.models.vit_mae.modeling_vit_mae.ViTMAEModel': "ViTMAE's encoder attends over a random subset "
+                                                                'of the patches, in shuffled order (whatever its '
+                                                                'mask ratio): its tokens are not the patch grid',
+    'transformers.models.yolos.modeling_yolos.YolosModel': "YOLOS appends its detection tokens after the patch "
+                                                          'tokens: posattn lays the extra tokens before the grid',
+    'transformers.models.hiera.modeling_hiera.HieraModel': "Hiera's mask-unit attention pools its queries between "
+                                                           'stages: its queries are not the key grid',
+    'transformers.models.dinov3_vit.modeling_dinov3_vit.DINOv3ViTModel': "DINOv3's RoPE over patch coordinates is "
+                                                                         "not converted (timm's EVA RoPE is): swap "
+                                                                         "timm's DINOv3 (an Eva) instead",
+    'transformers.models.swinv2.modeling_swinv2.Swinv2Model': "Swin V2's cosine attention (normalised queries and "
+                                                              'keys times a learned logit scale, with a position '
+                                                              'bias from a continuous MLP) is not the scaled dot '
+                                                              'product posattn computes',
+}.items():
+    register_refusal(_model, _reason)

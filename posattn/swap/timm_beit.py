@@ -80,7 +80,7 @@ def _resize_beit_table(layer: BeitAttention, window_size: Tuple[int, int]) -> No
     layer.num_relative_distance = rows
 
 
-@register_family
+@register_family(covers=("timm's Beit",))
 def timm_beit(model: nn.Module) -> Optional[SwapPlan]:
     Beit = imported(_BEIT, 'Beit')
     if Beit is None or not isinstance(model, Beit):

@@ -89,7 +89,7 @@ def _own_phi(site: AttentionSite, index: int) -> PositionalModule:
     return gpsa_of(old)
 
 
-@register_family
+@register_family(covers=("timm's ConVit",))
 def timm_convit(model: nn.Module) -> Optional[SwapPlan]:
     ConVit = imported(_CONVIT, 'ConVit')
     if ConVit is None or not isinstance(model, ConVit):

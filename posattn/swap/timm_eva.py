@@ -63,7 +63,7 @@ def _check_attention(i: int, attn: nn.Module, width: int, num_prefix_tokens: int
                          f'{num_prefix_tokens}')
 
 
-@register_family
+@register_family(covers=("timm's Eva",))
 def timm_eva(model: nn.Module) -> Optional[SwapPlan]:
     Eva = imported(_EVA, 'Eva')
     if Eva is None or not isinstance(model, Eva):

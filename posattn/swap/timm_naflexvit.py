@@ -43,7 +43,7 @@ class NaFlexAttention(TimmAttention):
         return self.attention_output(x)
 
 
-@register_family
+@register_family(covers=("timm's NaFlexVit",))
 def timm_naflexvit(model: nn.Module) -> Optional[SwapPlan]:
     NaFlexVit = imported('timm.models.naflexvit', 'NaFlexVit')
     if NaFlexVit is None or not isinstance(model, NaFlexVit):

@@ -35,7 +35,7 @@ class RelPosAttention(SwappedAttention):
         return self.rel_pos.get_bias() if self.rel_pos is not None else shared
 
 
-@register_family
+@register_family(covers=("timm's VisionTransformerRelPos",))
 def timm_vision_transformer_relpos(model: nn.Module) -> Optional[SwapPlan]:
     VisionTransformerRelPos = imported(_RELPOS, 'VisionTransformerRelPos')
     if VisionTransformerRelPos is None or not isinstance(model, VisionTransformerRelPos):

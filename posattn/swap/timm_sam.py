@@ -82,7 +82,7 @@ def _own_phi(site: AttentionSite, index: int) -> DecomposedRelativePositionBias:
     return DecomposedRelativePositionBias.of_tables(site.module.rel_pos_h, site.module.rel_pos_w)
 
 
-@register_family
+@register_family(covers=("timm's VisionTransformerSAM",))
 def timm_sam(model: nn.Module) -> Optional[SwapPlan]:
     VisionTransformerSAM = imported(_SAM, 'VisionTransformerSAM')
     if VisionTransformerSAM is None or not isinstance(model, VisionTransformerSAM):

@@ -36,7 +36,7 @@ def _is_swin(model: nn.Module) -> bool:
     return isinstance(model, SwinTransformer) or any(isinstance(child, Stage) for child in model.children())
 
 
-@register_family
+@register_family(covers=("timm's SwinTransformer",))
 def timm_swin_transformer(model: nn.Module) -> Optional[SwapPlan]:
     version_2 = (imported('timm.models.swin_transformer_v2', 'SwinTransformerV2'),
                  imported('timm.models.swin_transformer_v2_cr', 'SwinTransformerV2Cr'))

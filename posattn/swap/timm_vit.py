@@ -8,7 +8,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from .core import AttentionSite, SwapPlan, SwappedAttention, described, imported, register_family
+from .core import AttentionSite, SwapPlan, SwappedAttention, described, imported, register_family, register_refusal
 
 __all__ = ['TimmAttention', 'NormGateOutput', 'refuse_attention_mask', 'timm_attention_sites', 'class_token_readout']
 
@@ -40,7 +40,7 @@ class TimmAttention(NormGateOutput):
         return self.attention_output(x)
 
 
-@register_family
+@register_family(covers=("timm's VisionTransformer",))
 def timm_vision_transformer(model: nn.Module) -> Optional[SwapPlan]:
     VisionTransformer = imported('timm.models.vision_transformer', 'VisionTransformer')
     if VisionTransformer is None or not isinstance(model, VisionTransformer):
@@ -80,3 +80,18 @@ def timm_attention_sites(model: nn.Module, name: str, drops_tokens: bool, replac
                             'the width into its heads')
         sites.append(AttentionSite(block, 'attn', attn.qkv.in_features, attn.num_heads, model.num_prefix_tokens))
     return sites
+
+
+# timm's models whose attention is not self-attention over one token grid
+for _model, _reason in {
+    'timm.models.cait.Cait': "CaiT's class-attention layers attend from the class token alone, and its "
+                             'talking-heads attention mixes heads around the softmax',
+    'timm.models.xcit.Xcit': "XCiT's cross-covariance attention attends between channels, not between tokens",
+    'timm.models.levit.Levit': "LeViT's attention subsamples its queries between stages and carries its own "
+                               'learned biases on a shrinking grid; its blocks see no patch-grid sequence',
+    'timm.models.pit.PoolingVisionTransformer': "PiT's blocks take tokens whose grid is pooled by strided "
+                                                'convolutions between stages, with the class tokens carried aside',
+    'timm.models.twins.Twins': "Twins alternates locally grouped attention with global attention whose keys "
+                               'come from a strided convolution: the keys are not the query grid',
+}.items():
+    register_refusal(_model, _reason)

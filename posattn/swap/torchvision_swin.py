@@ -50,7 +50,7 @@ class TorchvisionWindowAttention(WindowTableAttention):
         return dataclasses.replace(unshifted, shift=shift)
 
 
-@register_family
+@register_family(covers=("torchvision's SwinTransformer",))
 def torchvision_swin_transformer(model: nn.Module) -> Optional[SwapPlan]:
     SwinTransformer = imported(_SWIN, 'SwinTransformer')
     if SwinTransformer is None or not isinstance(model, SwinTransformer):

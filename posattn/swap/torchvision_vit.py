@@ -29,7 +29,7 @@ class TorchvisionAttention(SwappedAttention):
         return self.attention_output(query), None
 
 
-@register_family
+@register_family(covers=("torchvision's VisionTransformer",))
 def torchvision_vision_transformer(model: nn.Module) -> Optional[SwapPlan]:
     VisionTransformer = imported('torchvision.models.vision_transformer', 'VisionTransformer')
     if VisionTransformer is None or not isinstance(model, VisionTransformer):
