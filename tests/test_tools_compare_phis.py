@@ -612,7 +612,8 @@ def test_ablations_experiment_measures_the_attention_of_each_run(tmp_path):
     assert (tmp_path / 'c' / 'seed0' / 'analysis' / 'position.png').is_file()
     table = (tmp_path / 'comparison.md').read_text()
     assert '| model | Ω of Φa, layer 1 to last | Ω of Φp, layer 1 to last |' in table
-    (line,) = [line for line in table.splitlines() if line.startswith('| (b) without Φp |') and '`' not in line]
+    omega = table.split('| model | Ω of Φa, layer 1 to last |')[1].split('\n\n')[0]  # the Ω table, not the others
+    (line,) = [line for line in omega.splitlines() if line.startswith('| (b) without Φp |')]
     mixed, position = line.split('|')[2:4]
     assert len([float(value) for value in mixed.split()]) == 12 and position.split() == ['-'] * 12
     assert (tmp_path / 'comparison.png').read_bytes()[:4] == b'\x89PNG'
