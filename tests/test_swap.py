@@ -97,9 +97,9 @@ def test_fine_tuning_a_swapped_model_lowers_the_loss(device):
 
 
 def test_the_refusal_lists_what_the_registered_families_cover_and_names_a_registered_refusal(monkeypatch):
-    from posattn.swap import core
-    monkeypatch.setattr(core, '_FAMILIES', dict(core._FAMILIES))
-    monkeypatch.setattr(core, '_REFUSED', dict(core._REFUSED))
+    from posattn.swap import spec
+    monkeypatch.setattr(spec, '_FAMILIES', dict(spec._FAMILIES))
+    monkeypatch.setattr(spec, '_REFUSED', dict(spec._REFUSED))
 
     class MyViT(nn.Sequential):
         pass
@@ -108,7 +108,7 @@ def test_the_refusal_lists_what_the_registered_families_cover_and_names_a_regist
         pass
     posattn.swap.register_family(covers=("mylib's MyViT",))(lambda model: None)
     with pytest.raises(TypeError, match=r"swap_attention knows .*mylib's MyViT; timm's VisionTransformer, .*; "
-                                        r"torchvision's .*; transformers' ViTModel, .*"):
+                                        r"torchvision's .*; transformers' vit, deit, .*"):
         swap_attention(MyViT(nn.Linear(2, 2)))
     posattn.swap.register_refusal(f'{MyOtherViT.__module__}.{MyOtherViT.__qualname__}', 'it attends across images')
     with pytest.raises(TypeError, match=r'cannot swap .*MyOtherViT: it attends across images'):

@@ -20,7 +20,7 @@ from typing import Optional
 
 from torch import nn
 
-from posattn.swap import AttentionSite, SwapPlan, register_family
+from posattn.swap import AttentionSite, OwnScheme, SwapPlan, register_family
 from posattn.swap.core import described, imported
 from posattn.swap.window_tables import COSINE_ATTENTION, WindowTableAttention, kept_table, table_phi, tables_of
 
@@ -42,8 +42,8 @@ def _swin_plan(family: str, model: nn.Module, ShiftWindowMSA: type, WindowMSA: t
                              f'= {head_dim ** -0.5:.6g} that posattn scales its logits by: build it with qk_scale=None')
         sites.append(AttentionSite(shifted, 'w_msa', attn.embed_dims, attn.num_heads))
     embeddings = [model.absolute_pos_embed] if model.use_abs_pos_embed else []
-    return SwapPlan(family, sites, WindowTableAttention, position_embeddings=embeddings,
-                    position_parameters=tables_of(sites), own_phi=table_phi, kept_phi=kept_table)
+    return SwapPlan(family=family, sites=sites, adapter=WindowTableAttention,
+                    own=OwnScheme(absolute=embeddings, relative=tables_of(sites), converted=table_phi, kept=kept_table))
 
 
 # family: (the module of its SwinTransformer, the module of its ShiftWindowMSA and WindowMSA)

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from posattn.swap import AttentionSite, SwapPlan, register_family
+from posattn.swap import AttentionSite, GridSource, OwnScheme, SwapPlan, register_family
 from posattn.swap.core import SwappedAttention, packs_self_attention
 from posattn.swap.core import described, imported
 
@@ -97,8 +97,8 @@ def mmpretrain_vision_transformer(model: nn.Module) -> Optional[SwapPlan]:
         if refusal is not None:
             raise ValueError(f'cannot swap the attention of layer {i} of {described(model)}: it {refusal}')
         sites.append(AttentionSite(layer, 'attn', attn.embed_dims, attn.num_heads, model.num_extra_tokens))
-    return SwapPlan('mmpretrain VisionTransformer', sites, MMPretrainAttention, model.patch_embed.projection,
-                    [model.pos_embed])
+    return SwapPlan(family='mmpretrain VisionTransformer', sites=sites, adapter=MMPretrainAttention,
+                    grid=GridSource(module=model.patch_embed.projection), own=OwnScheme(absolute=[model.pos_embed]))
 
 
 @register_family(covers=("mmseg's VisionTransformer",))
@@ -117,4 +117,5 @@ def mmseg_vision_transformer(model: nn.Module) -> Optional[SwapPlan]:
             raise TypeError(f'layer {i} of {described(model)} has an mmcv MultiheadAttention that is not batch-first '
                             'self-attention with packed q/k/v projections and no added keys')
         sites.append(AttentionSite(layer, 'attn', attn.embed_dims, attn.num_heads, int(model.with_cls_token)))
-    return SwapPlan('mmseg VisionTransformer', sites, MMCVAttention, model.patch_embed.projection, [model.pos_embed])
+    return SwapPlan(family='mmseg VisionTransformer', sites=sites, adapter=MMCVAttention,
+                    grid=GridSource(module=model.patch_embed.projection), own=OwnScheme(absolute=[model.pos_embed]))

@@ -3,6 +3,7 @@ their weights.
 
     model = timm.create_model('deit_small_patch16_224', pretrained=True)
     swap_attention(model, phi='peripheral')          # then build the optimiser and fine-tune
+    unswap(model, drop_phi=True)                     # timm's own classes again, with the tuned weights
 
 One family a module (``timm_vit``, ``torchvision_vit``, ...), each a small
 :class:`~posattn.swap.core.SwappedAttention` subclass called as the module it replaces (it supplies
@@ -13,13 +14,15 @@ what its model does around posattn's attention), and a function registered with
 import importlib
 import pkgutil
 
-from .core import (AddedParametersWarning, AttentionSite, SwapPlan, SwappedAttention, load_original_weights,
-                   parameters_added_by_swap, register_family, register_refusal, swap_attention)
+from .core import (AddedParametersWarning, AttentionSite, GridSource, OwnScheme, SwapPlan, SwappedAttention,
+                   load_original_weights, parameters_added_by_swap, register_family, register_refusal, swap_attention)
 from .hf_pretrained import from_pretrained  # a swapped Hugging Face model, saved and back
+from .unswap import unswap
 
 for _module in pkgutil.iter_modules(__path__):
-    if _module.name != 'core':
+    if _module.name not in ('core', 'spec', 'originals', 'unswap'):
         importlib.import_module(f'{__name__}.{_module.name}')
 
-__all__ = ['swap_attention', 'parameters_added_by_swap', 'load_original_weights', 'AddedParametersWarning',
-           'from_pretrained', 'register_family', 'register_refusal', 'SwapPlan', 'AttentionSite', 'SwappedAttention']
+__all__ = ['swap_attention', 'unswap', 'parameters_added_by_swap', 'load_original_weights', 'AddedParametersWarning',
+           'from_pretrained', 'register_family', 'register_refusal', 'SwapPlan', 'GridSource', 'OwnScheme',
+           'AttentionSite', 'SwappedAttention']

@@ -1,11 +1,6 @@
-"""The machinery every attention family shares: finding a model's attention modules, the token
-grid they see, and handing their weights to a :class:`posattn.Attention`.
-
-A family is one function, registered with :func:`register_family`, that looks at one module and
-returns a :class:`SwapPlan` when the module is a model of its family (None otherwise, or an error
-that says why such a model cannot be swapped). The plan lists the attention modules to replace
-(:class:`AttentionSite`) and how to build each replacement: a subclass of
-:class:`SwappedAttention` that is called as the original was and takes over its weights.
+"""The machinery every attention family shares: the layer that replaces a model's attention
+(:class:`SwappedAttention`), and :func:`swap_attention`, which plans, builds, installs and
+finishes a swap from what the families (:mod:`posattn.swap.spec`) find in a model.
 """
 from __future__ import annotations
 
@@ -14,7 +9,7 @@ import sys
 import warnings
 import weakref
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
@@ -26,17 +21,16 @@ from ..layout import ImageLayout
 from ..phi import PhiStack, PositionalModule, build_layer_phi
 from ..phi.registry import PhiSpec, checked_phi_list
 from ..unreached import warn_if_unreached
-from .token_grids import GridTracker, PatchGrid
+from .originals import Detached, Original, carried_keys
+from .spec import (AFTER_SWAP, AttentionSite, GridSource, OwnScheme, SwapPlan, described, plans_of, refusal,
+                   register_after_swap, register_family, register_refusal, register_refusal_hint)
+from .token_grids import GridTracker
 
-__all__ = ['AttentionSite', 'SwapPlan', 'SwappedAttention', 'GridTracker', 'register_family', 'register_refusal',
+__all__ = ['AttentionSite', 'GridSource', 'OwnScheme', 'SwapPlan', 'SwappedAttention', 'GridTracker',
+           'register_family', 'register_refusal',
            'register_refusal_hint', 'register_after_swap', 'swap_attention',
            'parameters_added_by_swap', 'load_original_weights', 'AddedParametersWarning', 'described', 'imported',
            'packs_self_attention', 'check_padding_mask']
-
-
-def described(obj: Any) -> str:
-    """``module.QualName`` of an object's class, for messages."""
-    return f'{type(obj).__module__}.{type(obj).__qualname__}'
 
 
 def imported(module: str, name: str) -> Optional[Any]:
@@ -44,74 +38,6 @@ def imported(module: str, name: str) -> Optional[Any]:
     instance of a class whose module is loaded, so families never import their libraries."""
     loaded = sys.modules.get(module)
     return getattr(loaded, name, None) if loaded is not None else None
-
-
-@dataclass
-class AttentionSite:
-    """One attention module to replace: ``getattr(parent, name)``, what it attends over and how wide."""
-    parent: nn.Module
-    name: str
-    dim: int
-    num_heads: int
-    num_prefix_tokens: int = 0
-
-    @property
-    def module(self) -> nn.Module:
-        return getattr(self.parent, self.name)
-
-
-@dataclass
-class SwapPlan:
-    """What a family found in a model.
-
-    Attributes:
-        family: the family's name, for messages.
-        sites: the attention modules, in depth order (Φp layer schedules follow it).
-        adapter: the :class:`SwappedAttention` subclass that replaces each of them.
-        patch_projection: the module whose (B, C, H, W) output is the token grid every site sees,
-            hooked (with each site's parent block) by a :class:`GridTracker`; None when each
-            replacement knows its grid (window attention).
-        position_embeddings: the model's absolute position embeddings, zeroed and frozen when the
-            model's own positions are dropped.
-        position_parameters: the parameters of the model's relative position tables and bias
-            networks, frozen when its own positions are dropped (kept, no longer used: no
-            optimiser or DistributedDataParallel sees them as trainable).
-        own_phi: ``own_phi(site, index)``, the Φp that computes what the model's own relative
-            positional scheme computes at the ``index``-th site, holding the very parameters of it
-            (a table, learned frequencies), for ``swap_attention(model, phi='own')``; None where
-            the family has no such conversion.
-        kept_phi: ``kept_phi(site, index)``, the model's own relative positional scheme at the
-            ``index``-th site as the Φp that apply it beside a named Φp, first in the layer's
-            :class:`~posattn.phi.PhiStack`: most hold nothing and apply what the model or the
-            adapter computes from its own parameters and gives with the call
-            (:mod:`posattn.swap.given`). An empty list where the site has no such scheme.
-        installed: ``installed(site, layer)``, called for every site once all the layers are built and
-            in place, for a family whose own scheme lives beside the attention (a BEiT whose table
-            sits in the layer around it, handed to the layer's Φp by ``phi='own'``); None for none.
-        fixed_positions: where the model adds absolute positions that are no parameter (a sinusoidal
-            embedding computed in its forward), what they are: ``own_positions=False`` cannot drop
-            them and is refused with it; None where every absolute embedding is listed above.
-        patch_grid: how a call of ``patch_projection`` gives the grid, where its output is not
-            (B, C, H, W): ``patch_grid(module, args, kwargs, output)`` returns (H, W), or an
-            :class:`~posattn.layout.ImageLayout` for a batch whose images each have their own grid
-            (timm's NaFlexViT).
-        prefix_readout: where the model's output reads its prefix tokens alone after the last site (a
-            classifier of the class token): how it does, and how the model pools the grid tokens instead
-            ('' where it cannot), the words of the :class:`~posattn.UnreachedPhiWarning` that names the
-            last site's Φp where it gets no gradient; None where the output reads the grid tokens too.
-    """
-    family: str
-    sites: List[AttentionSite]
-    adapter: type
-    patch_projection: Optional[nn.Module] = None
-    position_embeddings: Sequence[Optional[nn.Parameter]] = field(default_factory=list)
-    position_parameters: Sequence[Optional[nn.Parameter]] = field(default_factory=list)
-    own_phi: Optional[Callable[[AttentionSite, int], PositionalModule]] = None
-    kept_phi: Callable[[AttentionSite, int], List[PositionalModule]] = lambda site, index: []  # none kept
-    installed: Optional[Callable[[AttentionSite, 'SwappedAttention'], None]] = None
-    fixed_positions: Optional[str] = None
-    patch_grid: Optional[PatchGrid] = None
-    prefix_readout: Optional[Tuple[str, str]] = None
 
 
 def packs_self_attention(mha: nn.MultiheadAttention) -> bool:
@@ -138,15 +64,21 @@ class SwappedAttention(Attention):
 
     A subclass overrides only the hooks where its model differs. The model's own relative
     positional scheme, where it is kept, is the first member of the layer's
-    :class:`~posattn.phi.PhiStack` (the plan's ``kept_phi``); what the model or the adapter
+    :class:`~posattn.phi.PhiStack` (the plan's ``own.kept``); what the model or the adapter
     computes for it each call (EVA's ``rope``, a relative position bias from the model's own
     table) is offered to :meth:`attention_output`, which passes it to the Φp that declare it.
 
     ``added_parameter_names``: the names (in this layer) of the parameters that the swap created,
     which the model did not hold before it (a named Φp's); see :func:`parameters_added_by_swap`.
+    ``original``, ``detached``, ``frozen_by_swap``: what :func:`posattn.swap.unswap` puts back: the
+    module this layer replaced, the modules beside it that a conversion detached, and the model's
+    parameters that dropping its own positions froze.
     """
     grid_tracker: Optional[GridTracker] = None
     added_parameter_names: Tuple[str, ...] = ()
+    original: Optional[Original] = None
+    detached: Tuple[Detached, ...] = ()
+    frozen_by_swap: Tuple[nn.Parameter, ...] = ()
 
     @classmethod
     def replacing(cls, old: nn.Module, phi: PositionalModule, site: AttentionSite) -> 'SwappedAttention':
@@ -259,75 +191,6 @@ def check_padding_mask(attn_mask: torch.Tensor, layout: ImageLayout) -> None:
     _CHECKED_MASK.set(weakref.ref(attn_mask))
 
 
-Family = Callable[[nn.Module], Optional[SwapPlan]]
-_FAMILIES: Dict[Family, Tuple[str, ...]] = {}  # each family and the models it covers, in words
-_REFUSED: Dict[str, str] = {}  # 'module.Class' of a model that cannot be swapped: why
-_HINTS: List[Callable[[Sequence[str]], Optional[str]]] = []  # what to do for a model no family knows
-_AFTER_SWAP: List[Callable[..., None]] = []  # steps of every swap once the layers are in place
-
-
-def register_family(find: Optional[Family] = None, *, covers: Sequence[str] = ()) -> Any:
-    """Add an attention family: ``find(module)`` returns a :class:`SwapPlan` for a model of the
-    family, None for any other module, and raises an error naming the reason for a model of the
-    family that cannot be swapped; ``covers``: the models it swaps, in words, listed when a model
-    is refused. Used as ``@register_family`` or ``@register_family(covers=(...))``."""
-    def register(function: Family) -> Family:
-        _FAMILIES[function] = tuple(covers)
-        return function
-    return register if find is None else register(find)
-
-
-def register_refusal(model_class: str, reason: str) -> None:
-    """A model of ``model_class`` (``'module.Class'``, matched against the classes of a model's
-    modules and their bases) cannot be swapped, for ``reason``."""
-    _REFUSED[model_class] = reason
-
-
-def register_refusal_hint(hint: Callable[[Sequence[str]], Optional[str]]) -> None:
-    """``hint(classes)``: for a model no family knows, given the ``'module.Class'`` of its modules and
-    their bases, what would make it swappable (a package to import), or None."""
-    _HINTS.append(hint)
-
-
-def register_after_swap(step: Callable[..., None]) -> None:
-    """``step(model, phi, phi_cfg, own_positions)`` runs after every swap, once its layers are in
-    place (a library whose models carry a config records the swap in it)."""
-    _AFTER_SWAP.append(step)
-
-
-def _plans(model: nn.Module) -> List[SwapPlan]:
-    """The plans of the outermost modules of ``model`` that a family recognises."""
-    found = [plan for plan in (find(model) for find in _FAMILIES) if plan is not None]
-    if found:
-        return found[:1]
-    return [plan for child in model.children() for plan in _plans(child)]
-
-
-def _refusal(model: nn.Module) -> str:
-    classes = {f'{cls.__module__}.{cls.__qualname__}' for m in model.modules() for cls in type(m).__mro__}
-    for name, reason in _REFUSED.items():
-        if name in classes:
-            return f'cannot swap {name}: {reason}'
-    for hint in _HINTS:
-        found = hint(sorted(classes))
-        if found is not None:
-            return f'no supported attention in {described(model)}: {found}'
-    attentions = sorted({type(m).__name__ for m in model.modules() if 'attention' in type(m).__name__.lower()})
-    seen = (f' (its attention modules, {", ".join(attentions[:4])}{", ..." if len(attentions) > 4 else ""}, are '
-            'of no family swap_attention knows)' if attentions else ' (it has no module named as an attention)')
-    return f'no supported attention in {described(model)}{seen}; swap_attention knows {_known_models()}'
-
-
-def _known_models() -> str:
-    """What the registered families cover, by library: "timm's VisionTransformer, Eva; torchvision's ..."."""
-    by_library: Dict[str, List[str]] = {}
-    for covered in _FAMILIES.values():
-        for words in covered:
-            library, _, name = words.partition(' ')
-            by_library.setdefault(library, []).append(name)
-    return '; '.join(f'{library} {", ".join(names)}' for library, names in sorted(by_library.items()))
-
-
 def swap_attention(model: nn.Module, phi: PhiSpec = 'peripheral', *, own_positions: bool = True,
                    **phi_cfg: Any) -> nn.Module:
     """Replace every attention module of ``model`` by :class:`posattn.Attention` with Φp ``phi``.
@@ -392,15 +255,15 @@ class _Built:
 def _planned(model: nn.Module, own_positions: bool) -> List[SwapPlan]:
     """The plans of ``model``'s swappable parts, or the error that says why there are none."""
     if any(isinstance(m, SwappedAttention) for m in model.modules()):
-        raise ValueError(f'the attention of {described(model)} is already swapped; build the original '
-                         'model again to swap in another Φp')
-    plans = _plans(model)
+        raise ValueError(f'the attention of {described(model)} is already swapped; posattn.unswap(model) '
+                         'puts the original back, to swap in another Φp')
+    plans = plans_of(model)
     if not plans:
-        raise TypeError(_refusal(model))
-    fixed = [plan for plan in plans if plan.fixed_positions is not None]
+        raise TypeError(refusal(model))
+    fixed = [plan for plan in plans if plan.own.fixed is not None]
     if fixed and not own_positions:
         raise ValueError(f'own_positions=False cannot drop the positions of {fixed[0].family}: '
-                         f'{fixed[0].fixed_positions}; keep them (own_positions=True)')
+                         f'{fixed[0].own.fixed}; keep them (own_positions=True)')
     return plans
 
 
@@ -413,13 +276,13 @@ def _built(model: nn.Module, plans: Sequence[SwapPlan], names: Sequence[str], co
     held_before = {id(param) for param in model.parameters()}
     layers, trackers, installs = [], [], []
     for plan in plans:
-        tracker = GridTracker() if plan.patch_projection is not None else None
+        tracker = GridTracker() if plan.grid is not None else None
         for index, site in enumerate(plan.sites):
             layer = _built_layer(plan, site, index, names, configs, own_positions and not converting, held_before)
             layer.grid_tracker = tracker
             layers.append((site, layer))
-            if plan.installed is not None:
-                installs.append(functools.partial(plan.installed, site, layer))
+            if plan.own.installed is not None:
+                installs.append(functools.partial(plan.own.installed, site, layer))
         if tracker is not None:
             trackers.append((plan, tracker))
     return _Built(tuple(plans), tuple(names), tuple(layers), tuple(trackers), tuple(installs), converting)
@@ -431,13 +294,13 @@ def _built_layer(plan: SwapPlan, site: AttentionSite, index: int, names: Sequenc
     converted), after the model's own relative scheme where it is kept (``keep_own``)."""
     old = site.module
     reference = next(old.parameters())
-    members = [plan.own_phi(site, index) if name == OWN else
+    members = [plan.own.converted(site, index) if name == OWN else
                build_layer_phi(name, config, dim=site.dim, num_heads=site.num_heads,
                                num_prefix_tokens=site.num_prefix_tokens, layer_index=index,
                                num_layers=len(plan.sites)).to(reference.device, reference.dtype)
                for name, config in zip(names, configs)]
     # the model's own relative scheme, kept beside the named Φp, comes first ('none' adds nothing to it)
-    kept = plan.kept_phi(site, index) if keep_own else []
+    kept = plan.own.kept(site, index) if keep_own else []
     if kept:
         members = kept + [member for name, member in zip(names, members) if name != NONE]
     layer = plan.adapter.replacing(old, members[0] if len(members) == 1 else PhiStack(members), site)
@@ -446,6 +309,7 @@ def _built_layer(plan: SwapPlan, site: AttentionSite, index: int, names: Sequenc
         _rename_named_phi_keys(layer, members[len(kept):], len(kept))
     layer.added_parameter_names = tuple(name for name, param in layer.named_parameters()
                                         if id(param) not in held_before)
+    layer.original = Original(old, carried_keys(old, layer))
     return layer
 
 
@@ -454,7 +318,7 @@ def _install(built: _Built) -> None:
     for site, layer in built.layers:
         setattr(site.parent, site.name, layer)
     for plan, tracker in built.trackers:
-        tracker.attach(plan.patch_projection, [site.parent for site in plan.sites], plan.patch_grid)
+        tracker.attach(plan.grid.module, [site.parent for site in plan.sites], plan.grid.read)
     for install in built.installs:
         install()
 
@@ -462,11 +326,13 @@ def _install(built: _Built) -> None:
 def _finish(model: nn.Module, built: _Built, phi: PhiSpec, phi_cfg: Mapping[str, Any], own_positions: bool) -> None:
     """After the layers are in place: the model's own positions dropped where asked, the registered
     after-swap steps, and the warnings (parameters added, a Φp no gradient reaches)."""
-    if not own_positions:
-        _drop_own_positions(built.plans, relative=not built.converting)
-    for step in _AFTER_SWAP:
-        step(model, phi, phi_cfg, own_positions)
     layers = [layer for _, layer in built.layers]
+    if not own_positions:
+        frozen = _drop_own_positions(built.plans, relative=not built.converting)
+        for layer in layers:
+            layer.frozen_by_swap = frozen
+    for step, _ in AFTER_SWAP:
+        step(model, phi, phi_cfg, own_positions)
     added = [param for param in _added_parameters(layers) if param.requires_grad]
     if added:
         warnings.warn(_added_parameters_message(model, ' + '.join(built.phi_names), added, len(layers)),
@@ -550,7 +416,7 @@ def _phi_names(phi: PhiSpec, phi_cfg: Dict[str, Any]) -> Tuple[List[str], List[O
 
 def _check_own(plans: Sequence[SwapPlan], own_configs: Sequence[Optional[Mapping[str, Any]]]) -> None:
     for plan in plans:
-        if plan.own_phi is None:
+        if plan.own.converted is None:
             raise TypeError(f"phi='own' converts a model's own relative positional scheme into a Φp; {plan.family} "
                             'has none that posattn converts: pick a Φp by name (posattn.list_phis())')
     if len(own_configs) > 1:
@@ -586,12 +452,12 @@ def hand_held_modules_to_phi(owner: nn.Module, layer: 'SwappedAttention', layer_
     the same parameters, saved once under the Φp's name. Weights saved before the swap still load
     into ``owner``: a pre-hook renames the module's keys onto the Φp's (``layer_path``: the path of
     ``layer`` in ``owner``, '' where it is ``owner``). For a family whose scheme lives beside the
-    attention, in the block around it (a BEiT's), call it from ``SwapPlan.installed``.
+    attention, in the block around it (a BEiT's), call it from ``OwnScheme.installed``.
     """
     phi_names = {id(param): name for name, param in layer.phi.named_parameters()}
     inside_phi = {id(module) for module in layer.phi.modules()}
     target = f'{layer_path}.phi.' if layer_path else 'phi.'
-    renames, detached = {}, []
+    renames, detached = {}, {}
     for path, module in list(owner.named_modules()):
         if not path or id(module) in inside_phi or any(path.startswith(f'{done}.') for done in detached):
             continue
@@ -601,10 +467,13 @@ def hand_held_modules_to_phi(owner: nn.Module, layer: 'SwappedAttention', layer_
             continue
         parent, _, name = path.rpartition('.')
         setattr(owner.get_submodule(parent), name, None)
-        detached.append(path)
+        detached[path] = (owner.get_submodule(parent), name, module)
         renames.update({f'{path}.{key}': target + phi_names[id(param)] for key, param in params.items()})
-    if renames:
-        owner.register_load_state_dict_pre_hook(functools.partial(_rename_keys, renames=renames))
+    handle = owner.register_load_state_dict_pre_hook(functools.partial(_rename_keys, renames=renames)) \
+        if renames else None
+    # unswap puts them back: their parent may be a module the layer took over, which the original holds too
+    layer.detached += tuple(Detached(parent, name, Original(module, carried_keys(module, layer)), handle)
+                            for parent, name, module in detached.values())
 
 
 def _rename_named_phi_keys(layer: 'SwappedAttention', named: Sequence[PositionalModule], offset: int) -> None:
@@ -629,16 +498,20 @@ def _rename_keys(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *ar
             state_dict[prefix + new] = state_dict.pop(prefix + old)
 
 
-def _drop_own_positions(plans: Sequence[SwapPlan], relative: bool = True) -> None:
+def _drop_own_positions(plans: Sequence[SwapPlan], relative: bool = True) -> Tuple[nn.Parameter, ...]:
     """Zero and freeze the absolute embeddings and, with ``relative``, freeze the relative position
-    parameters (not after a conversion: the converted Φp uses and trains them)."""
+    parameters (not after a conversion: the converted Φp uses and trains them); returns the
+    parameters so frozen that were trainable."""
+    params = [p for plan in plans for p in plan.own.absolute]
     with torch.no_grad():
-        for embedding in (e for plan in plans for e in plan.position_embeddings if e is not None):
+        for embedding in params:
             embedding.zero_()
-            embedding.requires_grad_(False)
     if relative:
-        for param in (p for plan in plans for p in plan.position_parameters if p is not None):
-            param.requires_grad_(False)
+        params += [p for plan in plans for p in plan.own.relative]
+    frozen = tuple({id(p): p for p in params if p.requires_grad}.values())
+    for param in params:
+        param.requires_grad_(False)
+    return frozen
 
 
 _LISTED = 5  # keys named in an error, of each kind

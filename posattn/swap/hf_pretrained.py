@@ -55,7 +55,15 @@ def swapped_phi_records(model: nn.Module) -> List[Dict[str, Any]]:
             for layer in model.modules() if isinstance(layer, SwappedAttention)]
 
 
-register_after_swap(_record_swap)
+def _forget_swap(model: nn.Module) -> None:
+    """After :func:`~posattn.swap.unswap`, the configs of the model and its parts record no swap."""
+    for module in model.modules():
+        config = getattr(module, 'config', None)
+        if hasattr(config, SWAP_RECORD):
+            delattr(config, SWAP_RECORD)
+
+
+register_after_swap(_record_swap, undo=_forget_swap)
 
 # What save_pretrained writes, in the order transformers prefers them: one file, or an index of shards.
 _WEIGHT_FILES = (('model.safetensors', 'model.safetensors.index.json'),

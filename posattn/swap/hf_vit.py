@@ -27,7 +27,8 @@ table's bias is the first member of the Φp while kept; ``phi='own'`` hands the 
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -36,8 +37,8 @@ from ..grid import TokenGrid
 from ..layout import ImageLayout
 from ..phi import PositionalModule
 from ..phi.rpb import RelativePositionBias
-from .core import (AttentionSite, SwapPlan, SwappedAttention, check_padding_mask, described,
-                   hand_held_modules_to_phi, register_family, register_refusal)
+from .core import (AttentionSite, GridSource, OwnScheme, SwapPlan, SwappedAttention, check_padding_mask, described,
+                   hand_held_modules_to_phi, imported, register_family, register_refusal)
 from .given import GivenBias
 from .token_grids import PatchGrid
 from .window_tables import RELATIVE_POSITION_BIAS, WindowTableAttention
@@ -177,21 +178,34 @@ def _swin_own_phi(site: AttentionSite, index: int) -> RelativePositionBias:
     return RelativePositionBias.of_table(own.relative_position_bias_table, tuple(own.window_size), 0)
 
 
-class _Model(NamedTuple):
-    """What the family reads of one transformers vision model class."""
-    attention: str  # the class name of its layers' attention
-    patch_projection: Callable[[nn.Module], nn.Module]
+@dataclass(frozen=True, kw_only=True)
+class HfFamily:
+    """What the family reads of the base model (``model.base_model``) of one transformers model type.
+
+    Attributes:
+        attention: the class name of its layers' attention.
+        num_prefix_tokens: ``num_prefix_tokens(base)``, the tokens before the patch grid.
+        absolute: ``absolute(base)``, its absolute position embeddings (:attr:`OwnScheme.absolute`).
+        grid_module: ``grid_module(base)``, the module whose call gives the token grid
+            (:attr:`GridSource.module`); None where each layer knows its grid (its window).
+        read_grid: :attr:`GridSource.read`, where that module's output is no (B, C, H, W).
+        adapter: the swapped layer's class.
+        relative: ``relative(base)``, its relative position tables, kept first in each layer's Φp.
+        converted: ``converted(base)``, the :attr:`OwnScheme.converted` of ``phi='own'``, or None where
+            the model has no relative scheme.
+        installed: :attr:`OwnScheme.installed`.
+        fixed: ``fixed(base)``, :attr:`OwnScheme.fixed`.
+    """
+    attention: str
     num_prefix_tokens: Callable[[nn.Module], int]
-    position_embeddings: Callable[[nn.Module], List[nn.Parameter]]
+    absolute: Callable[[nn.Module], List[nn.Parameter]]
+    grid_module: Optional[Callable[[nn.Module], nn.Module]]
+    read_grid: Optional[PatchGrid] = None
     adapter: type = HfAttention
-    relative_tables: Callable[[nn.Module], List[nn.Parameter]] = lambda model: []
-    # for phi='own': given the model, the Φp of each site, or None where the model has no relative scheme
-    own_phi: Callable[[nn.Module], Optional[Callable[[AttentionSite, int], PositionalModule]]] = lambda model: None
+    relative: Callable[[nn.Module], List[nn.Parameter]] = lambda base: []
+    converted: Callable[[nn.Module], Optional[Callable[[AttentionSite, int], PositionalModule]]] = lambda base: None
     installed: Optional[Callable[[AttentionSite, SwappedAttention], None]] = None
-    windowed: bool = False  # each layer knows its grid (its window): no patch grid to track
-    # where the model adds absolute positions that are no parameter, what they are (SwapPlan.fixed_positions)
-    fixed_positions: Callable[[nn.Module], Optional[str]] = lambda model: None
-    patch_grid: Optional[PatchGrid] = None  # SwapPlan.patch_grid, where the projection's output is no (B, C, H, W)
+    fixed: Callable[[nn.Module], Optional[str]] = lambda base: None
 
 
 def _projection(model: nn.Module) -> nn.Module:
@@ -237,8 +251,8 @@ def _beit_own_phi(model: nn.Module) -> Optional[Callable[[AttentionSite, int], P
 
 def _data2vec_own_phi(model: nn.Module) -> Optional[Callable[[AttentionSite, int], PositionalModule]]:
     """``phi='own'`` for a Data2VecVision: each layer's table (in its self-attention)."""
-    return _table_own_phi(bool(model.encoder.has_relative_position_bias), _tables('Data2VecVisionRelativePositionBias')(model),
-                          lambda site: getattr(site.module.attention, 'relative_position_bias', None))
+    return _table_own_phi(bool(model.encoder.has_relative_position_bias),
+                          _tables('Data2VecVisionRelativePositionBias')(model), lambda site: getattr(site.module.attention, 'relative_position_bias', None))
 
 
 def _table_own_phi(shared: bool, tables: List[nn.Parameter], own_of: Callable[[AttentionSite], Optional[nn.Module]]
@@ -266,51 +280,66 @@ def _hand_beit_table_to_phi(site: AttentionSite, layer: SwappedAttention) -> Non
     hand_held_modules_to_phi(site.parent, layer, site.name)
 
 
-# transformers' model class name: what the family reads of it
-_MODELS: Dict[str, _Model] = {
-    'ViTModel': _Model('ViTAttention', _projection, lambda m: 1, _table),
-    'DeiTModel': _Model('DeiTAttention', _projection, lambda m: 2, _table),
-    'ViTMSNModel': _Model('ViTMSNAttention', _projection, lambda m: 1, _table),
-    'IJepaModel': _Model('IJepaAttention', _projection, lambda m: 0, _table),
-    'PixioModel': _Model('PixioAttention', _projection, lambda m: m.config.n_cls_tokens, _table),
-    'Dinov2Model': _Model('Dinov2Attention', _projection, lambda m: 1, _table),
-    'Dinov2WithRegistersModel': _Model('Dinov2WithRegistersAttention', _projection,
-                                       lambda m: 1 + m.config.num_register_tokens, _table),
-    'CLIPVisionModel': _Model('CLIPAttention', _embedding, lambda m: 1, _lookup),
-    'SiglipVisionModel': _Model('SiglipAttention', _embedding, lambda m: 0, _lookup),
-    'ChineseCLIPVisionModel': _Model('ChineseCLIPVisionAttention', _embedding, lambda m: 1, _lookup),
-    'Siglip2VisionModel': _Model('Siglip2Attention', lambda m: m.embeddings, lambda m: 0, _lookup, HfNaFlexAttention,
-                                 patch_grid=siglip2_grid),
-    'Aimv2VisionModel': _Model('Aimv2Attention', lambda m: m.embeddings.patch_embed, lambda m: 0, _aimv2_embedding,
-                               fixed_positions=_aimv2_fixed),
-    'BeitModel': _Model('BeitAttention', _projection, lambda m: 1, _table, HfBeitAttention,
-                        _tables('BeitRelativePositionBias'), _beit_own_phi, _hand_beit_table_to_phi),
-    'Data2VecVisionModel': _Model('Data2VecVisionAttention', _projection, lambda m: 1, _table, HfData2VecAttention,
-                                  _tables('Data2VecVisionRelativePositionBias'), _data2vec_own_phi),
-    'SwinModel': _Model('SwinAttention', _projection, lambda m: 0, _table, HfSwinAttention,
-                        _tables('SwinRelativePositionBias'), lambda model: _swin_own_phi, windowed=True),
+# a transformers model's config.model_type: what the family reads of its base model
+_FAMILIES: Dict[str, HfFamily] = {
+    'vit': HfFamily(attention='ViTAttention', num_prefix_tokens=lambda m: 1, absolute=_table, grid_module=_projection),
+    'deit': HfFamily(attention='DeiTAttention', num_prefix_tokens=lambda m: 2, absolute=_table, grid_module=_projection),
+    'vit_msn': HfFamily(attention='ViTMSNAttention', num_prefix_tokens=lambda m: 1, absolute=_table,
+                        grid_module=_projection),
+    'ijepa': HfFamily(attention='IJepaAttention', num_prefix_tokens=lambda m: 0, absolute=_table,
+                      grid_module=_projection),
+    'pixio': HfFamily(attention='PixioAttention', num_prefix_tokens=lambda m: m.config.n_cls_tokens, absolute=_table,
+                      grid_module=_projection),
+    'dinov2': HfFamily(attention='Dinov2Attention', num_prefix_tokens=lambda m: 1, absolute=_table,
+                       grid_module=_projection),
+    'dinov2_with_registers': HfFamily(attention='Dinov2WithRegistersAttention',
+                                      num_prefix_tokens=lambda m: 1 + m.config.num_register_tokens, absolute=_table,
+                                      grid_module=_projection),
+    'clip_vision_model': HfFamily(attention='CLIPAttention', num_prefix_tokens=lambda m: 1, absolute=_lookup,
+                                  grid_module=_embedding),
+    'siglip_vision_model': HfFamily(attention='SiglipAttention', num_prefix_tokens=lambda m: 0, absolute=_lookup,
+                                    grid_module=_embedding),
+    'chinese_clip_vision_model': HfFamily(attention='ChineseCLIPVisionAttention', num_prefix_tokens=lambda m: 1,
+                                          absolute=_lookup, grid_module=_embedding),
+    'siglip2_vision_model': HfFamily(attention='Siglip2Attention', num_prefix_tokens=lambda m: 0, absolute=_lookup,
+                                     grid_module=lambda m: m.embeddings, read_grid=siglip2_grid,
+                                     adapter=HfNaFlexAttention),
+    'aimv2_vision_model': HfFamily(attention='Aimv2Attention', num_prefix_tokens=lambda m: 0,
+                                   absolute=_aimv2_embedding, grid_module=lambda m: m.embeddings.patch_embed, fixed=_aimv2_fixed),
+    'beit': HfFamily(attention='BeitAttention', num_prefix_tokens=lambda m: 1, absolute=_table, grid_module=_projection,
+                     adapter=HfBeitAttention, relative=_tables('BeitRelativePositionBias'), converted=_beit_own_phi,
+                     installed=_hand_beit_table_to_phi),
+    'data2vec-vision': HfFamily(attention='Data2VecVisionAttention', num_prefix_tokens=lambda m: 1, absolute=_table,
+                                grid_module=_projection, adapter=HfData2VecAttention,
+                                relative=_tables('Data2VecVisionRelativePositionBias'), converted=_data2vec_own_phi),
+    'swin': HfFamily(attention='SwinAttention', num_prefix_tokens=lambda m: 0, absolute=_table, grid_module=None,
+                     adapter=HfSwinAttention, relative=_tables('SwinRelativePositionBias'),
+                     converted=lambda base: _swin_own_phi),
 }
 
 
-@register_family(covers=tuple(f"transformers' {name}" for name in _MODELS))
+@register_family(covers=tuple(f"transformers' {model_type}" for model_type in _FAMILIES))
 def hf_vision_transformer(model: nn.Module) -> Optional[SwapPlan]:
-    if not type(model).__module__.startswith('transformers.models.'):
+    """A transformers model (a ``PreTrainedModel``) whose ``config.model_type`` is a family's: its base
+    model's layers (a classifier's head, a CLIP's text tower are not swapped)."""
+    PreTrainedModel = imported('transformers.modeling_utils', 'PreTrainedModel')
+    if PreTrainedModel is None or not isinstance(model, PreTrainedModel):
         return None
-    found = _MODELS.get(type(model).__name__)
+    found = _FAMILIES.get(getattr(model.config, 'model_type', None))
     if found is None:
         return None
+    base = model.base_model
     sites = []
-    for parent in model.modules():
+    for parent in base.modules():
         for name, attn in parent.named_children():
             if type(attn).__name__ == found.attention:
-                sites.append(_site(len(sites), parent, name, attn, found.num_prefix_tokens(model)))
-    tables = found.relative_tables(model)
+                sites.append(_site(len(sites), parent, name, attn, found.num_prefix_tokens(base)))
+    tables = found.relative(base)
     kept = (lambda site, index: [GivenBias(RELATIVE_POSITION_BIAS)]) if tables else (lambda site, index: [])
-    projection = None if found.windowed else found.patch_projection(model)
-    return SwapPlan(f'transformers {type(model).__name__}', sites, found.adapter, projection,
-                    found.position_embeddings(model), tables, own_phi=found.own_phi(model), kept_phi=kept,
-                    installed=found.installed, fixed_positions=found.fixed_positions(model),
-                    patch_grid=found.patch_grid)
+    grid = None if found.grid_module is None else GridSource(module=found.grid_module(base), read=found.read_grid)
+    return SwapPlan(family=f'transformers {type(model).__name__}', sites=sites, adapter=found.adapter, grid=grid,
+                    own=OwnScheme(absolute=found.absolute(base), relative=tables, converted=found.converted(base),
+                                  kept=kept, installed=found.installed, fixed=found.fixed(base)))
 
 
 def _site(index: int, parent: nn.Module, name: str, attn: nn.Module, num_prefix_tokens: int) -> AttentionSite:

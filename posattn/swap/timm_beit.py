@@ -19,7 +19,7 @@ from torch import nn
 
 from ..phi import PositionalModule
 from ..phi.rpb import NUM_PREFIX_ENTRIES, num_offsets, relative_position_index
-from .core import AttentionSite, SwapPlan, described, imported, register_family
+from .core import AttentionSite, GridSource, OwnScheme, SwapPlan, described, imported, register_family
 from .given import GivenBias
 from .qkv_biases import SeparateBiasQkv
 from .timm_vit import class_token_readout
@@ -99,8 +99,10 @@ def timm_beit(model: nn.Module) -> Optional[SwapPlan]:
     tables = [site.module.relative_position_bias_table for site in sites]
     shared = list(model.rel_pos_bias.parameters()) if model.rel_pos_bias is not None else []
     own_phi = _own_phi(model.rel_pos_bias) if any(t is not None for t in tables) or shared else None
-    return SwapPlan('timm Beit', sites, BeitAttention, model.patch_embed.proj, [model.pos_embed], tables + shared,
-                    own_phi, kept_phi=functools.partial(_kept_phi, model.rel_pos_bias is not None),
+    return SwapPlan(family='timm Beit', sites=sites, adapter=BeitAttention,
+                    grid=GridSource(module=model.patch_embed.proj),
+                    own=OwnScheme(absolute=[model.pos_embed], relative=tables + shared, converted=own_phi,
+                                  kept=functools.partial(_kept_phi, model.rel_pos_bias is not None)),
                     prefix_readout=class_token_readout(model))
 
 

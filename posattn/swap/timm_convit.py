@@ -23,7 +23,8 @@ from torch import nn
 
 from ..phi import PositionalModule, build_layer_phi
 from ..phi.gpsa import GatedPositionalAttention
-from .core import AttentionSite, SwapPlan, SwappedAttention, _rename_keys, described, imported, register_family
+from .core import (AttentionSite, GridSource, OwnScheme, SwapPlan, SwappedAttention, _rename_keys, described,
+                   imported, register_family)
 from .timm_vit import class_token_readout
 
 __all__ = ['ConvitAttention']
@@ -106,8 +107,10 @@ def timm_convit(model: nn.Module) -> Optional[SwapPlan]:
         if type(attn) is gpsa:
             positions += [*attn.pos_proj.parameters(), attn.gating_param]
     embeddings = [model.pos_embed] if model.use_pos_embed else []
-    return SwapPlan('timm ConVit', sites, ConvitAttention, model.patch_embed.proj, embeddings, positions,
-                    own_phi=_own_phi, kept_phi=_kept_phi, prefix_readout=class_token_readout(model))
+    return SwapPlan(family='timm ConVit', sites=sites, adapter=ConvitAttention,
+                    grid=GridSource(module=model.patch_embed.proj),
+                    own=OwnScheme(absolute=embeddings, relative=positions, converted=_own_phi, kept=_kept_phi),
+                    prefix_readout=class_token_readout(model))
 
 
 def _kept_phi(site: AttentionSite, index: int) -> List[PositionalModule]:

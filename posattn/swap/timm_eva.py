@@ -26,7 +26,7 @@ from torch import nn
 
 from ..phi import PositionalModule
 from ..phi.rope import RotaryPositionEmbedding
-from .core import AttentionSite, SwapPlan, described, imported, register_family
+from .core import AttentionSite, GridSource, OwnScheme, SwapPlan, described, imported, register_family
 from .given import GivenRotation
 from .qkv_biases import SeparateBiasQkv
 from .timm_vit import NormGateOutput, class_token_readout, refuse_attention_mask
@@ -78,8 +78,10 @@ def timm_eva(model: nn.Module) -> Optional[SwapPlan]:
     own_phi = functools.partial(own_rope, model) if model.rope is not None else None
     kept_phi = functools.partial(_kept_rope, model.rope is not None)
     learned_rope = list(model.rope.parameters()) if model.rope is not None else []  # RoPE-Mixed's frequencies
-    return SwapPlan('timm Eva', sites, EvaAttention, model.patch_embed.proj, [model.pos_embed], learned_rope,
-                    own_phi=own_phi, kept_phi=kept_phi, prefix_readout=class_token_readout(model))
+    return SwapPlan(family='timm Eva', sites=sites, adapter=EvaAttention,
+                    grid=GridSource(module=model.patch_embed.proj),
+                    own=OwnScheme(absolute=[model.pos_embed], relative=learned_rope, converted=own_phi, kept=kept_phi),
+                    prefix_readout=class_token_readout(model))
 
 
 def _kept_rope(has_rope: bool, site: AttentionSite, index: int) -> List[PositionalModule]:

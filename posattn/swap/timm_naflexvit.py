@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..layout import ImageLayout
-from .core import SwapPlan, check_padding_mask, imported, register_family
+from .core import GridSource, OwnScheme, SwapPlan, check_padding_mask, imported, register_family
 from .timm_vit import TimmAttention, class_token_readout, refuse_attention_mask, timm_attention_sites
 
 __all__ = ['NaFlexAttention', 'naflex_grid']
@@ -52,5 +52,6 @@ def timm_naflexvit(model: nn.Module) -> Optional[SwapPlan]:
                                  "NaFlexViT's standard Block only (not its EVA and RoPE blocks)")
     embeds = model.embeds
     positions = [getattr(embeds, name, None) for name in ('pos_embed', 'pos_embed_y', 'pos_embed_x')]
-    return SwapPlan('timm NaFlexVit', sites, NaFlexAttention, embeds, [p for p in positions if p is not None],
-                    patch_grid=naflex_grid, prefix_readout=class_token_readout(model))
+    return SwapPlan(family='timm NaFlexVit', sites=sites, adapter=NaFlexAttention,
+                    grid=GridSource(module=embeds, read=naflex_grid), own=OwnScheme(absolute=positions),
+                    prefix_readout=class_token_readout(model))

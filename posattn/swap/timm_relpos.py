@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .core import AttentionSite, SwapPlan, SwappedAttention, described, imported, register_family
+from .core import AttentionSite, GridSource, OwnScheme, SwapPlan, SwappedAttention, described, imported, register_family
 from .given import GivenBias
 from .timm_vit import class_token_readout
 
@@ -50,7 +50,8 @@ def timm_vision_transformer_relpos(model: nn.Module) -> Optional[SwapPlan]:
     biases = [site.module.rel_pos for site in sites] + [model.shared_rel_pos]
     position_parameters = [p for bias in biases if bias is not None for p in bias.parameters()]
     relative = model.shared_rel_pos is not None or any(site.module.rel_pos is not None for site in sites)
-    return SwapPlan('timm VisionTransformerRelPos', sites, RelPosAttention, model.patch_embed.proj,
-                    position_parameters=position_parameters,
-                    kept_phi=lambda site, index: [GivenBias('rel_pos_bias')] if relative else [],
+    return SwapPlan(family='timm VisionTransformerRelPos', sites=sites, adapter=RelPosAttention,
+                    grid=GridSource(module=model.patch_embed.proj),
+                    own=OwnScheme(relative=position_parameters,
+                                  kept=lambda site, index: [GivenBias('rel_pos_bias')] if relative else []),
                     prefix_readout=class_token_readout(model))

@@ -22,7 +22,7 @@ from torch import nn
 from ..grid import TokenGrid
 from ..phi import PositionalModule
 from ..phi.decomposed_rpb import DecomposedRelativePositionBias
-from .core import AttentionSite, SwapPlan, SwappedAttention, described, imported, register_family
+from .core import AttentionSite, OwnScheme, SwapPlan, SwappedAttention, described, imported, register_family
 from .given import GivenRotation
 
 _SAM = 'timm.models.vision_transformer_sam'
@@ -97,6 +97,6 @@ def timm_sam(model: nn.Module) -> Optional[SwapPlan]:
         sites.append(AttentionSite(block, 'attn', model.embed_dim, attn.num_heads))
     relative = [site.module.use_rel_pos for site in sites]
     tables = [p for site in sites if site.module.use_rel_pos for p in (site.module.rel_pos_h, site.module.rel_pos_w)]
-    return SwapPlan('timm VisionTransformerSAM', sites, SamAttention, position_embeddings=[model.pos_embed],
-                    position_parameters=tables, own_phi=_own_phi if relative and all(relative) else None,
-                    kept_phi=_kept_phi)
+    return SwapPlan(family='timm VisionTransformerSAM', sites=sites, adapter=SamAttention,
+                    own=OwnScheme(absolute=[model.pos_embed], relative=tables,
+                                  converted=_own_phi if relative and all(relative) else None, kept=_kept_phi))

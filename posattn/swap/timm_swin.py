@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 
 from torch import nn
 
-from .core import AttentionSite, SwapPlan, described, imported, register_family
+from .core import AttentionSite, OwnScheme, SwapPlan, described, imported, register_family
 from .window_tables import COSINE_ATTENTION, WindowTableAttention, kept_table, resize_table, table_phi, tables_of
 
 _SWIN = 'timm.models.swin_transformer'
@@ -56,5 +56,5 @@ def timm_swin_transformer(model: nn.Module) -> Optional[SwapPlan]:
             raise TypeError(f'Swin block {i} attends in {attn.num_heads} heads x {head_dim} channels, not the block '
                             f'width {attn.dim} (head_dim): posattn.Attention splits the width into its heads')
         sites.append(AttentionSite(block, 'attn', attn.dim, attn.num_heads))
-    return SwapPlan('timm SwinTransformer', sites, TimmWindowAttention, position_parameters=tables_of(sites),
-                    own_phi=table_phi, kept_phi=kept_table)
+    return SwapPlan(family='timm SwinTransformer', sites=sites, adapter=TimmWindowAttention,
+                    own=OwnScheme(relative=tables_of(sites), converted=table_phi, kept=kept_table))

@@ -8,7 +8,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from .core import AttentionSite, SwapPlan, SwappedAttention, described, imported, register_family, register_refusal
+from .core import (AttentionSite, GridSource, OwnScheme, SwapPlan, SwappedAttention, described, imported,
+                   register_family, register_refusal)
 
 __all__ = ['TimmAttention', 'NormGateOutput', 'refuse_attention_mask', 'timm_attention_sites', 'class_token_readout']
 
@@ -47,7 +48,8 @@ def timm_vision_transformer(model: nn.Module) -> Optional[SwapPlan]:
         return None
     sites = timm_attention_sites(model, 'VisionTransformer', not isinstance(model.patch_drop, nn.Identity),
                                  "timm's standard Block only")
-    return SwapPlan('timm VisionTransformer', sites, TimmAttention, model.patch_embed.proj, [model.pos_embed],
+    return SwapPlan(family='timm VisionTransformer', sites=sites, adapter=TimmAttention,
+                    grid=GridSource(module=model.patch_embed.proj), own=OwnScheme(absolute=[model.pos_embed]),
                     prefix_readout=class_token_readout(model))
 
 

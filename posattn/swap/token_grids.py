@@ -22,6 +22,7 @@ recomputes of its own: the grid is then a plain value of the trace.
 from __future__ import annotations
 
 import threading
+from copy import deepcopy
 import weakref
 from contextvars import ContextVar
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
@@ -136,18 +137,23 @@ class GridTracker:
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> 'GridTracker':
         # A copied model gets its own tracker; its hooks are copied with the modules' hook dicts
-        # and refer to the copy's bound methods through the memo.
+        # and refer to the copy's bound methods through the memo, and so do the handles: the
+        # copy's detach removes the copy's hooks.
         copy = GridTracker()
         copy._patch_grid = self._patch_grid
         memo[id(self)] = copy
+        copy.handles = deepcopy(self.handles, memo)
         return copy
 
     def __getstate__(self) -> Dict[str, Any]:
-        return {'patch_grid': self._patch_grid}  # a module-level function, pickled by name
+        # patch_grid: a module-level function, pickled by name; the handles refer to the hook dicts
+        # pickled with the modules
+        return {'patch_grid': self._patch_grid, 'handles': self.handles}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__init__()
         self._patch_grid = state.get('patch_grid', _output_grid)
+        self.handles = list(state.get('handles', ()))
 
     def _record_patch_grid(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
                            output: Any) -> None:

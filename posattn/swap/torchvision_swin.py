@@ -16,7 +16,7 @@ from torch import nn
 
 from ..grid import TokenGrid
 from ..window import GridWindows
-from .core import AttentionSite, SwapPlan, described, imported, register_family
+from .core import AttentionSite, OwnScheme, SwapPlan, described, imported, register_family
 from .window_tables import COSINE_ATTENTION, WindowTableAttention, kept_table, table_phi, tables_of
 
 _SWIN = 'torchvision.models.swin_transformer'
@@ -66,5 +66,5 @@ def torchvision_swin_transformer(model: nn.Module) -> Optional[SwapPlan]:
             raise TypeError(f'Swin block {i} holds {described(attn)}, not torchvision\'s ShiftedWindowAttention: '
                             'swap_attention replaces the attention of torchvision\'s SwinTransformerBlock only')
         sites.append(AttentionSite(block, 'attn', attn.qkv.in_features, attn.num_heads))
-    return SwapPlan('torchvision SwinTransformer', sites, TorchvisionWindowAttention,
-                    position_parameters=tables_of(sites), own_phi=table_phi, kept_phi=kept_table)
+    return SwapPlan(family='torchvision SwinTransformer', sites=sites, adapter=TorchvisionWindowAttention,
+                    own=OwnScheme(relative=tables_of(sites), converted=table_phi, kept=kept_table))

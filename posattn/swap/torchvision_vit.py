@@ -9,7 +9,8 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import nn
 
-from .core import AttentionSite, SwapPlan, SwappedAttention, described, imported, packs_self_attention, register_family
+from .core import (AttentionSite, GridSource, OwnScheme, SwapPlan, SwappedAttention, described, imported,
+                   packs_self_attention, register_family)
 
 
 class TorchvisionAttention(SwappedAttention):
@@ -44,7 +45,7 @@ def torchvision_vision_transformer(model: nn.Module) -> Optional[SwapPlan]:
             raise TypeError(f'encoder layer {i} of the torchvision model has a MultiheadAttention that is not '
                             'batch-first self-attention with packed, biased q/k/v projections')
         sites.append(AttentionSite(block, 'self_attention', attn.embed_dim, attn.num_heads, 1))
-    return SwapPlan('torchvision VisionTransformer', sites, TorchvisionAttention, model.conv_proj,
-                    [model.encoder.pos_embedding],
+    return SwapPlan(family='torchvision VisionTransformer', sites=sites, adapter=TorchvisionAttention,
+                    grid=GridSource(module=model.conv_proj), own=OwnScheme(absolute=[model.encoder.pos_embedding]),
                     prefix_readout=("its head classifies the class token alone (torchvision's VisionTransformer "
                                     'always does)', ''))

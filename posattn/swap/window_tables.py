@@ -45,7 +45,7 @@ def tables_of(sites: Sequence[AttentionSite]) -> List[nn.Parameter]:
 
 
 def table_phi(site: AttentionSite, index: int) -> RelativePositionBias:
-    """A plan's ``own_phi``: the ``rpb`` whose table is the attention's at ``site`` (the same Parameter,
+    """A plan's ``own.converted``: the ``rpb`` whose table is the attention's at ``site`` (the same Parameter,
     ``relative_position_bias_table``), learned for its ``window_size``, with BEiT's three extra rows
     where the site has prefix tokens (``index``, the site's place in depth order, changes nothing)."""
     attn = site.module
@@ -53,7 +53,7 @@ def table_phi(site: AttentionSite, index: int) -> RelativePositionBias:
 
 
 def kept_table(site: AttentionSite, index: int) -> List[PositionalModule]:
-    """A plan's ``kept_phi``: the bias ``B[index]`` that the swapped layer computes from the model's
+    """A plan's ``own.kept``: the bias ``B[index]`` that the swapped layer computes from the model's
     table (which stays the layer's, under the model's name), added as given."""
     return [GivenBias(RELATIVE_POSITION_BIAS)]
 
