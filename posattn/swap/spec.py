@@ -10,15 +10,12 @@ carries of its own positions (:class:`OwnScheme`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
 from ..phi import PositionalModule
 from .token_grids import PatchGrid
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .core import SwappedAttention
 
 __all__ = ['AttentionSite', 'GridSource', 'OwnScheme', 'SwapPlan', 'register_family', 'register_refusal',
            'register_refusal_hint', 'register_after_swap', 'described']
@@ -90,7 +87,7 @@ class OwnScheme:
     fixed: Optional[str] = None
     converted: Optional[Callable[[AttentionSite, int], PositionalModule]] = None
     kept: Callable[[AttentionSite, int], List[PositionalModule]] = _nothing_kept
-    installed: Optional[Callable[[AttentionSite, 'SwappedAttention'], None]] = None
+    installed: Optional[Callable[[AttentionSite, nn.Module], None]] = None  # (site, the swapped layer)
 
     def __post_init__(self) -> None:  # lists are taken, and absent parameters (None) left out
         object.__setattr__(self, 'absolute', tuple(p for p in self.absolute if p is not None))
