@@ -281,29 +281,36 @@ def test_train_test_at_two_sizes_and_analyse_a_folder_of_images(image_folder, tm
 
 
 @pytest.mark.slow
-def test_a_study_file_compares_two_phis_on_the_folder_with_two_seeds(image_folder, tmp_path):
+def test_a_study_file_compares_two_phis_on_the_folder_with_three_seeds(image_folder, tmp_path):
     """tools/compare_phis.py on a user's study file whose two rows are the documented DeiT-T config
-    with another Φp each (a row's ``options``), the folder given by the configs' settings: each row
-    trains the Φp it names, and the tables and figures name the folder's data, chance and batch."""
+    with another Φp each (a row's ``options``) and the study's ``options`` (recipe=position) for
+    both, the folder given by the configs' settings: each row trains the Φp it names with the recipe,
+    and the tables and figures name the folder's data, chance and batch and give every column."""
     (tmp_path / 'my_study.py').write_text(
+        "options = dict(recipe='position')\n"
         "rows = [\n"
         "    dict(name='ape', config='your_data/deit_t_image_folder.py', label='DeiT-T, APE', options=dict(phi='none')),\n"
         "    dict(name='rope', config='your_data/deit_t_image_folder.py', label='DeiT-T + RoPE', options=dict(phi='rope')),\n"
         "]\n")
     work_dir = tmp_path / 'study'
     output = run_tool(sys.executable, 'tools/compare_phis.py', '--study', str(tmp_path / 'my_study.py'),
-                      '--seeds', '0', '1', '--epochs', '2', '--timing-repeats', '1', '--work-dir', str(work_dir),
+                      '--seeds', '0', '1', '2', '--epochs', '2', '--timing-repeats', '1', '--work-dir', str(work_dir),
                       '--cfg-options', f'data_root={image_folder}', 'num_classes=3', f'img_size={TRAIN_SIZE}',
                       'warmup_epochs=1', 'train_dataloader.batch_size=6', *LOADERS, timeout=900)
     record = json.loads((work_dir / 'comparison.json').read_text())
-    assert [(run['row'], run['seed']) for run in record['runs']] == [('ape', 0), ('ape', 1), ('rope', 0), ('rope', 1)]
-    for run in record['runs']:  # what tools/train.py trained: the row's Φp
+    assert [(run['row'], run['seed']) for run in record['runs']] == [(row, seed) for row in ('ape', 'rope')
+                                                                     for seed in (0, 1, 2)]
+    for run in record['runs']:  # what tools/train.py trained: the row's Φp, with recipe=position
         trained = Config.fromfile(work_dir / run['row'] / f'seed{run["seed"]}' / 'config.py')
         assert trained.model.backbone.phi == {'ape': 'none', 'rope': 'rope'}[run['row']]
         assert trained.model.head.num_classes == 3 and len(run['top1_per_epoch']) == 2
+        assert trained.model.train_cfg is None and trained.optim_wrapper.optimizer.lr == 1e-3  # no Mixup / CutMix
     assert record['figure'] == dict(dataset='CustomDataset (mydata)', chance_top1=[pytest.approx(100 / 3)],
                                     step_time_axis=f'training step time (ms; batch 6, {TRAIN_SIZE} x {TRAIN_SIZE} px; '
                                                    'CPU, 1 thread)')
     table = (work_dir / 'comparison.md').read_text()
-    assert '| DeiT-T + RoPE |' in table and '(2 seeds)' in table
+    assert '| DeiT-T + RoPE |' in table and '(3 seeds)' in table
+    for column in ('final top-1', 'range', 'best-epoch top-1', 'epochs to 95%', 'step time', 'run time',
+                   'minus the next', '95% interval'):
+        assert f'\n- {column}: ' in table, column
     assert 'top-1' in output

@@ -23,7 +23,10 @@ LINKED_KEYS = 'linked_keys'
 # Top-level keys that the tools read besides the runner's: the linked keys above, and the data's name
 # in a study's figures.
 RECIPE, RECIPES = 'recipe', 'recipes'  # a config's recipe, by name, and its recipes: {name: overrides}
-TOOL_KEYS = (LINKED_KEYS, 'dataset_name', RECIPE, RECIPES)
+# The recipe a config holds applied (a run's saved config): loading it again applies it no more, so that
+# what was set on top of it (the run's length, its batch) stays.
+RECIPE_APPLIED = 'recipe_applied'
+TOOL_KEYS = (LINKED_KEYS, 'dataset_name', RECIPE, RECIPES, RECIPE_APPLIED)
 # The keys of a run's length, in epochs or iterations, which the schedulers that end with the run follow.
 RUN_LENGTHS = ('train_cfg.max_epochs', 'train_cfg.max_iters')
 
@@ -87,7 +90,8 @@ def merge_options(cfg: Config, options: Optional[Mapping[str, Any]]) -> None:
       (:func:`posattn_openmmlab.config_checks.option_key_problems`).
     * The config's ``recipe`` (given here, or set in the config) applies that entry of its
       ``recipes``, overrides of its own, first: every linked key then takes its setting, and the
-      options come on top.
+      options come on top. The config records it applied (``recipe_applied``): a run's saved config,
+      loaded again, keeps what was set on top of the recipe.
     * A new length of the run (``train_cfg.max_epochs``, ``train_cfg.max_iters``) moves the end of each
       parameter scheduler that ended with the run, unless the overrides set those ends themselves.
     * Then every linked key must hold its setting's value (:func:`linked_key_problems`); a ValueError
@@ -101,6 +105,7 @@ def merge_options(cfg: Config, options: Optional[Mapping[str, Any]]) -> None:
     recipe = _recipe(cfg, options)
     if recipe:
         cfg.merge_from_dict(recipe)
+        cfg[RECIPE_APPLIED] = options.get(RECIPE, cfg.get(RECIPE))
         _set_linked_keys(cfg, cfg.get(LINKED_KEYS) or {})
     lengths = {key: _run_length(cfg, key) for key in RUN_LENGTHS if key in options}
     cfg.merge_from_dict(options)
@@ -116,9 +121,9 @@ def merge_options(cfg: Config, options: Optional[Mapping[str, Any]]) -> None:
 
 def _recipe(cfg: Config, options: Mapping[str, Any]) -> Dict[str, Any]:
     """The overrides of the recipe ``options`` or the config names (``recipe``, an entry of the
-    config's ``recipes``); {} where it names none."""
+    config's ``recipes``); {} where it names none, or where the config holds it applied already."""
     name = options.get(RECIPE, cfg.get(RECIPE))
-    if name is None:
+    if name is None or name == cfg.get(RECIPE_APPLIED):
         return {}
     recipes = cfg.get(RECIPES) or {}
     if name not in recipes:
