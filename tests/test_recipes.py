@@ -2,7 +2,7 @@
 linked settings name a pipeline's transforms by their type, so that img_size sizes each recipe's; and
 tools/test.py --img-size sizes any test pipeline whose sizes are linked to img_size, so that no
 refusal sends a user in a circle. The documented commands, on a folder whose labels are left and
-right, train and test models above chance (slow)."""
+right, train, test and analyse models above chance (slow)."""
 import json
 import re
 import shlex
@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import REPO, require_openmmlab
@@ -167,10 +168,24 @@ def run(command, cwd):
     return result.stdout
 
 
+def assert_analysed(output, out):
+    """tools/analyze.py's measures of PerViT-T at 64 px (a 4 x 4 grid in each of its 12 layers) and its figures."""
+    record = json.loads((out / 'metrics.json').read_text())
+    assert record['num_images'] == 9 and len(record['layers']) == 12
+    for layer in record['layers']:
+        assert layer['grid'] == [4, 4]  # 64 / 16
+        values = np.array(layer['nonlocality_position'], dtype=float)  # one per head
+        assert values.size and np.isfinite(values).all() and (values >= 0).all()
+    for name in ('position.png', 'samples.png', 'measures.png'):
+        assert (out / name).read_bytes()[:4] == b'\x89PNG'
+    assert f'wrote {out / "metrics.json"}' in output
+
+
 @pytest.mark.slow
 def test_the_documented_commands_learn_where_things_are_and_test_at_other_sizes(tmp_path):
     """docs/your-data.md's commands with recipe=position, on a left / right folder, a DeiT-T + RoPE and
-    a PerViT-T well above chance, tested at 1x and 1.5x (a study with the recipe: test_your_data.py)."""
+    a PerViT-T well above chance, tested at 1x (the config's size, from the config the training saved)
+    and 1.5x; the PerViT-T analysed by tools/analyze.py (a study with the recipe: test_your_data.py)."""
     draw_position_folder(tmp_path / 'data' / 'mydata')
     (tmp_path / 'configs').symlink_to(REPO / 'configs')
     (tmp_path / 'tools').symlink_to(REPO / 'tools')
@@ -184,10 +199,19 @@ def test_the_documented_commands_learn_where_things_are_and_test_at_other_sizes(
         command[2] = config
         output = run([*command, *SMALL_MACHINE], tmp_path)
         finals[config] = float(re.search(r'Last validation: accuracy/top1: ([\d.]+)', output).group(1))
+        saved_config, checkpoint = work_dir / Path(config).name, work_dir / 'epoch_30.pth'
+        assert 'Finished 30 epochs' in output and list(work_dir.glob('best_accuracy_top1_epoch_*.pth'))
+        assert f'python tools/analyze.py {saved_config} ' in output  # the config with the command line's settings
         for size in ('64', '96'):  # 1x and 1.5x
-            tested = run([test[0], test[1], str(work_dir / Path(config).name), str(work_dir / 'epoch_30.pth'),
-                          '--img-size', size, '--out', str(work_dir / f'top1_{size}.json')], tmp_path)
+            tested = run([test[0], test[1], str(saved_config), str(checkpoint), '--img-size', size,
+                          '--out', str(work_dir / f'top1_{size}.json'), '--work-dir', str(work_dir / f'test_{size}')],
+                         tmp_path)
             assert f'Metrics at {size} x {size} pixels' in tested
-            assert 0 <= json.loads((work_dir / f'top1_{size}.json').read_text())['accuracy/top1'] <= 100
+            written = json.loads((work_dir / f'top1_{size}.json').read_text())
+            assert 0 <= written['accuracy/top1'] <= 100 and written['img_size'] == [int(size)] * 2
+        assert "(the config's test size: 64 x 64)" in tested  # the one at 96
+    assert_analysed(run(['python', 'tools/analyze.py', str(saved_config), str(checkpoint), '--out',
+                         str(tmp_path / 'analysis'), '--num-images', '9', '--show-images', '2'], tmp_path),
+                    tmp_path / 'analysis')
     print(f'final top-1 with recipe=position: {finals}')
     assert all(top1 >= 80.0 for top1 in finals.values()), finals  # chance is 50

@@ -3,8 +3,8 @@
 The configs' settings set in one place (``--cfg-options num_classes=... data_root=... img_size=...
 phi=...`` reach every key that uses them; a key set against its setting is refused); one folder of
 class folders split per class; a number of classes that differs from the data's stops the run
-before its first step, naming both and the fix; and (slow) the documented path through the real
-tools on a generated three-class folder: train, test at the trained size and at another, analyse."""
+before its first step, naming both and the fix; and (slow) a study of two Φp through the real tools
+on a generated three-class folder (train, test and analyse: test_recipes.py)."""
 import json
 import sys
 from pathlib import Path
@@ -33,7 +33,7 @@ from posattn_openmmlab.image_folder import ImageFolderSplit
 CONFIGS = REPO / 'configs' / 'your_data'
 CLASSES = ('bottom', 'middle', 'top')  # where the bright square is: a horizontal flip keeps the class
 ROWS = {'top': 4, 'middle': 20, 'bottom': 36}  # the square's top row in a 48 x 64 image
-TRAIN_SIZE, OTHER_SIZE = 64, 96
+TRAIN_SIZE = 64
 # Few images, no worker processes: these check the mechanics in seconds, not the accuracy.
 LOADERS = [f'{loader}.{key}' for loader in ('train_dataloader', 'val_dataloader', 'test_dataloader')
            for key in ('num_workers=0', 'persistent_workers=False')]
@@ -236,48 +236,6 @@ def test_the_check_passes_agreeing_classes_and_ignores_data_without_class_names(
 
 
 # ---------------------------------------------------------------- the documented path, through the tools
-
-
-@pytest.mark.slow
-def test_train_test_at_two_sizes_and_analyse_a_folder_of_images(image_folder, tmp_path):
-    """tools/train.py (2 epochs) on the PerViT-T config, tools/test.py with the config the training
-    saved, at the trained size and at another, tools/analyze.py: the checkpoints, the metrics at
-    each size with the size the images had, the analysis's measures and figures."""
-    work_dir = tmp_path / 'work'
-    output = run_tool(sys.executable, 'tools/train.py', 'configs/your_data/pervit_t_image_folder.py', '--work-dir',
-                      str(work_dir), '--cfg-options', f'data_root={image_folder}', 'num_classes=3',
-                      f'img_size={TRAIN_SIZE}', 'train_cfg.max_epochs=2', 'warmup_epochs=1',
-                      'train_dataloader.batch_size=6', *LOADERS,
-                      timeout=600)
-    saved_config, checkpoint = work_dir / 'pervit_t_image_folder.py', work_dir / 'epoch_2.pth'
-    assert checkpoint.is_file() and list(work_dir.glob('best_accuracy_top1_epoch_*.pth'))
-    assert f'python tools/analyze.py {saved_config} ' in output  # the config with the command line's settings
-    assert 'Finished 2 epochs (6 iterations).' in output
-
-    written = {}
-    for size in (TRAIN_SIZE, OTHER_SIZE):
-        out = tmp_path / f'metrics_{size}.json'
-        asked = [] if size == TRAIN_SIZE else ['--img-size', str(size)]
-        output = run_tool(sys.executable, 'tools/test.py', str(saved_config), str(checkpoint), '--out', str(out),
-                          '--work-dir', str(tmp_path / f'test_{size}'), *asked, timeout=300)
-        written[size] = json.loads(out.read_text())
-        assert written[size]['img_size'] == [size, size]
-        assert 0 <= written[size]['accuracy/top1'] <= 100
-        assert f'Metrics at {size} x {size} pixels' in output
-    assert "(the config's test size: 64 x 64)" in output  # the one at 96
-
-    out = tmp_path / 'analysis'
-    output = run_tool(sys.executable, 'tools/analyze.py', str(saved_config), str(checkpoint), '--out', str(out),
-                      '--num-images', '9', '--show-images', '2', timeout=300)
-    record = json.loads((out / 'metrics.json').read_text())
-    assert record['num_images'] == 9 and len(record['layers']) == 12
-    for layer in record['layers']:
-        assert layer['grid'] == [4, 4]  # 64 / 16
-        values = np.array(layer['nonlocality_position'], dtype=float)  # one per head
-        assert values.size and np.isfinite(values).all() and (values >= 0).all()
-    for name in ('position.png', 'samples.png', 'measures.png'):
-        assert (out / name).read_bytes()[:4] == b'\x89PNG'
-    assert f'wrote {out / "metrics.json"}' in output
 
 
 @pytest.mark.slow
