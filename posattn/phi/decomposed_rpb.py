@@ -20,8 +20,9 @@ and :func:`posattn.reference.linear_resize`.
 
 On a layout of images of different grids (:class:`~posattn.positions.TokenPositions`), the embeddings are
 resampled to every distinct axis length at once by stacked 1D resampling matrices (cached per layout);
-each query is dotted with its image's offsets of each axis, and every pair reads its row and column
-offset from these by a cached per-pair index: two gathers, summed in place, (I, heads, M, M).
+each query is dotted with its image's offsets of each axis and read at its offset from every coordinate
+of the axis, and the bias is that times each key's coordinates one-hot: one product, (I, heads, M, M),
+with no per-pair index (whose gathers, and their scatters in the backward, cost more than the product).
 """
 from __future__ import annotations
 
@@ -140,24 +141,29 @@ class DecomposedRelativePositionBias(PositionalModule):
     def logits_bias_at(self, q: torch.Tensor, k: torch.Tensor, positions: TokenPositions,
                        **given: Any) -> torch.Tensor:
         """b[h, i, j] on rows of images, from the queries q (I, heads, M, d): (I, heads, M, M) in q's dtype,
-        the row term plus the column term (:meth:`_axis_term`); zero wherever a prefix token or padding is."""
+        the row term plus the column term (:meth:`_axis_factors`), zero wherever a prefix token or padding is."""
         checked_grid_prefix(positions, self.num_prefix_tokens, 'decomposed_rpb')
         if q.shape[-1] != self.head_dim:
             raise ValueError(f'decomposed_rpb built with head_dim={self.head_dim} got queries of {q.shape[-1]} '
                              f'channels a head: build it with head_dim={q.shape[-1]}')
-        return self._axis_term(q, positions, 0).add_(self._axis_term(q, positions, 1))
+        reads_h, keys_h = self._axis_factors(q, positions, 0)
+        reads_w, keys_w = self._axis_factors(q, positions, 1)
+        keys = torch.cat([keys_h, keys_w], -1).to(q.dtype)  # (I, M, L_max + W_max)
+        return torch.cat([reads_h, reads_w], -1) @ keys[:, None].transpose(-2, -1)  # (I, heads, M, M)
 
-    def _axis_term(self, q: torch.Tensor, positions: TokenPositions, axis: int) -> torch.Tensor:
-        """q_h,i · R[d + L - 1] along ``axis`` (0: rows, R_h; 1: columns, R_w) of every pair of a row of
-        images, (I, heads, M, M): each query against the offsets of its image's axis (the embeddings
-        resampled to every distinct length of the layout in one product, then a zero row), read at each
-        key's offset d, at the zero row wherever a prefix token or padding is."""
+    def _axis_factors(self, q: torch.Tensor, positions: TokenPositions, axis: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The term of ``axis`` (0: rows, R_h; 1: columns, R_w) of every pair of a row of images as a product,
+        q_h,i · R[c_i - c_j + L - 1] = sum_r A[h, i, r] K[j, r]: A (I, heads, M, L_max), each query dotted with
+        its image's offsets (the embeddings resampled to every distinct length of the layout in one product,
+        then a zero row) and read at its offset from each coordinate r of the axis; K (I, M, L_max), each key's
+        coordinate one-hot. A prefix query reads the zero row, a prefix or padding key is a zero row of K:
+        one (M x L_max) (L_max x M) product a pair of axes, no (I, heads, M, M) gather."""
         embeddings = self.rel_pos_h if axis == 0 else self.rel_pos_w
-        resampling, offset_rows, pair_offsets = _layout_axis(positions.layout, positions.batch, axis,
-                                                             embeddings.shape[0], embeddings.dtype, q.device)
+        resampling, offset_rows, query_reads, key_coordinates = _layout_axis(
+            positions.layout, positions.batch, axis, embeddings.shape[0], embeddings.dtype, q.device)
         per_image = (resampling @ embeddings)[offset_rows].to(q.dtype)  # (I, 2 L_max, d): its offsets, a zero row
         lookup = q @ per_image[:, None].transpose(-2, -1)  # (I, heads, M, 2 L_max)
-        return lookup.gather(-1, pair_offsets[:, None].expand(*q.shape[:3], -1))  # (I, heads, M, M)
+        return lookup.gather(-1, query_reads[:, None].expand(*q.shape[:3], -1)), key_coordinates
 
     def settings(self) -> Dict[str, Any]:
         return {'head_dim': self.head_dim, 'table_size': self.table_size, 'num_prefix_tokens': self.num_prefix_tokens}
@@ -165,15 +171,16 @@ class DecomposedRelativePositionBias(PositionalModule):
 
 @grid_constant(max_bytes=64 << 20)
 def _layout_axis(layout: ImageLayout, batch: int, axis: int, num_offsets: int, dtype: torch.dtype,
-                 device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What :meth:`DecomposedRelativePositionBias._axis_term` reads along ``axis`` (0: rows, 1: columns)
-    of a layout's images, one a row; cached:
+                 device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What :meth:`DecomposedRelativePositionBias._axis_factors` reads along ``axis`` (0: rows, 1:
+    columns) of a layout's images, one a row; cached:
 
     * the linear resampling from ``num_offsets`` learned offsets to each distinct 2L - 1 of the layout,
       stacked, then a zero row: (S + 1, num_offsets), S the sum of the distinct 2L - 1;
     * for each image the rows of its 2L - 1 offsets (padded with its last), then the zero row: (I, 2 L_max);
-    * for every pair the column it reads, query minus key plus L - 1 for two grid tokens, the zero
-      row's 2 L_max - 1 for any other: (I, M, M).
+    * for each query and each coordinate r of the axis, the offset it reads, its coordinate minus r
+      plus L - 1 (the zero row's 2 L_max - 1 for a prefix or padding query, or r >= L): (I, M, L_max);
+    * each key's coordinate one-hot, zero for a prefix or padding key: (I, M, L_max), in ``dtype``.
     """
     lengths = [grid.height if axis == 0 else grid.width for grid in layout.grids]
     sizes = distinct(2 * length - 1 for length in lengths)
@@ -185,7 +192,10 @@ def _layout_axis(layout: ImageLayout, batch: int, axis: int, num_offsets: int, d
     offset_rows = torch.stack([torch.cat([starts[sizes.index(2 * length - 1)] + offsets.clamp(max=2 * length - 2),
                                           torch.tensor([zero_row])]) for length in lengths])
     positions = token_positions(layout, batch, torch.device('cpu'))
-    along = positions.offsets()[axis]
+    coordinate = positions.row if axis == 0 else positions.col  # (I, M)
     length = (positions.height if axis == 0 else positions.width)[:, :, None]  # (I, M, 1)
-    pair_offsets = torch.where(positions.grid_pairs(), along + length - 1, longest)
-    return resampling.to(device), offset_rows.to(device), pair_offsets.to(device)
+    axis_values = torch.arange(max(lengths))  # r, (L_max,)
+    reads = torch.where(positions.is_grid[:, :, None] & (axis_values < length),
+                        coordinate[:, :, None] - axis_values + length - 1, longest)
+    one_hot = (coordinate[:, :, None] == axis_values) & positions.is_grid[:, :, None]
+    return resampling.to(device), offset_rows.to(device), reads.to(device), one_hot.to(device, dtype)
