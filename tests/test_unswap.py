@@ -80,9 +80,14 @@ def tensors(output):
     return [t for item in output for t in tensors(item)]
 
 
-def outputs(model, x):
+def called(model, x):
+    """``model`` on ``x``: a tensor, a tuple of arguments or a dict of keywords (a NaFlex batch)."""
+    return model(*x) if isinstance(x, tuple) else model(**x) if isinstance(x, dict) else model(x)
+
+
+def outputs(model, x, select=tensors):
     with torch.no_grad():
-        return tensors(model.eval()(x))
+        return select(called(model.eval(), x))
 
 
 def assert_same(got, expected, atol=1e-10):
@@ -95,7 +100,7 @@ def fine_tuning_step(model, x):
     """One SGD step of the whole model in train mode (lr 0.05 on the mean square of its outputs)."""
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    loss = sum(t.square().mean() for t in tensors(model(x)) if t.is_floating_point())
+    loss = sum(t.square().mean() for t in tensors(called(model, x)) if t.is_floating_point())
     loss.backward()
     with torch.no_grad():
         for param in params:
@@ -109,7 +114,7 @@ def module_classes(model):
     return [(name, type(module)) for name, module in model.named_modules()]
 
 
-def assert_round_trip(build, x, phi='none'):
+def assert_round_trip(build, x, phi='none', select=tensors):
     """Swapped and unswapped: the model's own classes, keys and outputs; then swapped, fine-tuned and
     unswapped: the fine-tuned swapped model's outputs and weights, under the model's own keys. (EVA's own
     RoPE computes its angles in float32, which the converted Φp reproduces to 1e-8.)"""
@@ -122,10 +127,11 @@ def assert_round_trip(build, x, phi='none'):
     unswap(swap_attention(model, phi=phi))
     assert module_classes(model) == expected_classes
     assert list(model.state_dict()) == expected_keys
-    assert_same(outputs(model, x), outputs(reference, x), atol)
+    assert_same(outputs(model, x, select), outputs(reference, x, select), atol)
 
     swapped = fine_tuning_step(swap_attention(model, phi=phi), x)
-    tuned_outputs, tuned_state = outputs(swapped, x), {k: v.clone() for k, v in swapped.state_dict().items()}
+    tuned_outputs = outputs(swapped, x, select)
+    tuned_state = {k: v.clone() for k, v in swapped.state_dict().items()}
     unswapped = unswap(swapped)
     assert unswapped is model and module_classes(model) == expected_classes
     state = model.state_dict()
@@ -135,9 +141,9 @@ def assert_round_trip(build, x, phi='none'):
     for key, tensor in tuned_state.items():
         if key in state:
             assert torch.equal(state[key], tensor), key
-    assert_same(outputs(model, x), tuned_outputs, atol)
+    assert_same(outputs(model, x, select), tuned_outputs, atol)
     reference.load_state_dict(state)  # the original classes load the unswapped weights strictly
-    assert_same(outputs(reference, x), tuned_outputs, atol)
+    assert_same(outputs(reference, x, select), tuned_outputs, atol)
     return model
 
 
@@ -148,6 +154,18 @@ def test_every_family_round_trips_and_carries_the_fine_tuned_weights(source):
             assert_round_trip(build, x)
         except Exception as error:
             raise AssertionError(f'{name}: {error}') from error
+
+
+def test_naflex_models_round_trip_on_naflex_batches():
+    """timm's NaFlexViT and transformers' SigLIP 2 on batches of images of three grids, padded: their
+    outputs at the valid tokens (a padding token's output is the model's own business)."""
+    from test_swap_naflex import images, naflex_batch, naflex_model, siglip2, siglip2_batch
+    assert_round_trip(naflex_model, naflex_batch(images()))
+    pytest.importorskip('transformers', minversion='5')
+    batch = siglip2_batch()
+    valid = batch['pixel_attention_mask'].bool()
+    assert_round_trip(lambda: siglip2('sdpa'), batch,
+                      select=lambda out: [out.last_hidden_state[valid], out.pooler_output])
 
 
 @pytest.mark.parametrize('name', ['timm SwinTransformer', 'timm VisionTransformerSAM', 'timm ConVit', 'timm Eva (EVA-02)',
