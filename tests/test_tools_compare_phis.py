@@ -345,11 +345,14 @@ def test_every_row_of_a_figure_has_a_colour_of_its_own(count):
     config = 'study/deit-t-half_ape_shapes.py'
     rows = {run.row: Row(run.row, config, ROOT / 'configs' / config, run.row) for run in runs}
     labels = figure_labels({}, None)._replace(dataset='PositionalShapes', chance_top1=[50.0])
+    import matplotlib.pyplot as plt
     figure = size_figure(summarise(runs, rows), runs, SIZE_TESTS[0], (0.5, 1.0), labels, 'scene size')
     drawn = [to_rgba(line.get_color()) for line in figure.axes[0].lines if line.get_label().startswith('r')]
+    plt.close(figure)
     assert len(drawn) == count and len(set(drawn)) == count
     figure = comparison_figure(runs, summarise(runs, rows), labels)  # a curve per run
     curves = {to_rgba(line.get_color()) for line in figure.axes[0].lines if len(line.get_xdata()) == 1}
+    plt.close(figure)
     assert len(curves) == count
 
 
