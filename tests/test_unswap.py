@@ -257,6 +257,14 @@ def test_weights_loaded_with_assign_are_the_ones_put_back():
     assert all(torch.equal(model.state_dict()[key], value) for key, value in other.items())
 
 
+def test_a_layer_that_keeps_no_original_is_an_error_that_changes_nothing():
+    model = swap_attention(timm_vit(), phi='none')
+    model.blocks[1].attn.original = None  # as a layer unpickled from a posattn without unswap
+    with pytest.raises(ValueError, match=r'blocks\.1\.attn is a TimmAttention that keeps no original module'):
+        unswap(model)
+    assert isinstance(model.blocks[0].attn, SwappedAttention)
+
+
 def test_a_model_without_a_swap_is_an_error():
     with pytest.raises(ValueError, match='no swapped attention layer to unswap'):
         unswap(timm_vit())

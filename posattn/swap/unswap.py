@@ -38,6 +38,10 @@ def unswap(model: nn.Module, *, drop_phi: bool = False) -> nn.Module:
     layers = [(path, layer) for path, layer in model.named_modules() if isinstance(layer, SwappedAttention)]
     if not layers:
         raise ValueError(f'{described(model)} has no swapped attention layer to unswap')
+    for path, layer in layers:
+        if layer.original is None:
+            raise ValueError(f'{path or "the model"} is a {type(layer).__name__} that keeps no original module '
+                             '(saved by a posattn without unswap): build the original model and load its weights')
     unkept = [f'{path}.{key}' if path else key for path, layer in layers for key in _unkept_parameters(layer)]
     if unkept and not drop_phi:
         more = f', ... ({len(unkept) - _LISTED} more)' if len(unkept) > _LISTED else ''
@@ -65,9 +69,6 @@ def _unkept_parameters(layer: SwappedAttention) -> List[str]:
 def _putting_back(model: nn.Module, path: str, layer: SwappedAttention) -> List[Callable[[], None]]:
     """The steps that put ``layer``'s original module (and the modules a conversion detached beside
     it) back with its current weights; checked now, run later."""
-    if layer.original is None:
-        raise ValueError(f'{path or "the model"} is a {type(layer).__name__} that keeps no original module '
-                         '(saved by a posattn without unswap): build the original model and load its weights')
     parent_path, _, name = path.rpartition('.')
     parent = model.get_submodule(parent_path)
     original = restoration(layer.original, layer)
