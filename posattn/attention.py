@@ -244,13 +244,15 @@ class Attention(nn.Module):
         given = given or {}
         phi = self.phi
         materialised = self._materialises_probabilities()
-        self._check_memory(q, where, materialised)
+        keeps_a_key = isinstance(where, TokenPositions) and key_mask is not None and where.keeps_a_key(key_mask)
+        # a mixture under a key mask that cuts a grid forms its (B, heads, N, N) positional attention
+        self._check_memory(q, where, materialised or (phi.mixes_probabilities and key_mask is not None
+                                                       and not keeps_a_key))
         if phi.transforms_queries_keys:
             q, k = phi.hook('queries_keys', where)(q, k, where, **given)
         phi_bias = phi.hook('logits_bias', where)(q, k, where, **given) if phi.gives_logits_bias else None
         self.logits_probe(q, k, phi_bias, where, key_mask=key_mask, attn_mask=attn_mask)
         bias = phi_bias if attn_mask is None else attn_mask if phi_bias is None else phi_bias + attn_mask
-        keeps_a_key = isinstance(where, TokenPositions) and key_mask is not None and where.keeps_a_key(key_mask)
         keys = key_mask
         if keeps_a_key and bias is not None and bias.shape[0] == q.shape[0] and bias.shape[-1] == k.shape[2]:
             # the padding folded into the bias of every image, the Φp's for this call (a padding key's
@@ -268,11 +270,14 @@ class Attention(nn.Module):
                 out = out + value_term
         else:
             out = biased_attention(q, k, v, bias, keys, keeps_a_key=keeps_a_key)
+            if phi.mixes_probabilities:  # its form on the outputs: no (B, heads, N, N) probabilities
+                out = phi.hook('mix_outputs', where)(out, v, where, key_mask, **given)
         return rearrange(out, 'b h n d -> b n (h d)')
 
     def _materialises_probabilities(self) -> bool:
-        """Whether this call forms the (B, heads, N, N) probabilities: for a Φp's value term or
-        mixture, or for attention dropout while training; otherwise the fused kernel runs."""
+        """Whether this call forms the (B, heads, N, N) probabilities: for a Φp's value term or a
+        mixture with no form on the outputs, or for attention dropout while training; otherwise the
+        fused kernel runs."""
         return (self.phi.needs_probabilities
                 or (self.training and self.attn_drop.p > 0))
 
@@ -280,7 +285,7 @@ class Attention(nn.Module):
         """Fail before the work when the (heads, N, N) terms this call needs cannot fit: a
         positional bias (and its computation, about as large again; once per image for a bias that
         depends on the tokens), and the attention
-        probabilities (B, heads, N, N) where they are materialised. A traced call (``torch.compile``,
+        probabilities (B, heads, N, N) where they are materialised (or a mixture's, as large). A traced call (``torch.compile``,
         ``torch.export``) checks nothing: its sizes may be symbolic, and the check would fix them."""
         if torch.compiler.is_compiling():
             return

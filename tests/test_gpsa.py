@@ -132,6 +132,72 @@ def test_key_mask_gives_masked_keys_no_weight_in_either_term():
     assert torch.equal(mixed[2], torch.zeros_like(mixed[2]))
 
 
+# --- the mixture on the outputs -----------------------------------------------------------------
+
+def content_and_values(batch, heads, tokens, key_mask=None, seed=3):
+    generator = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, heads, tokens, 8, generator=generator, dtype=torch.float64) for _ in range(3))
+    return attention_probs(q, k, None, key_mask), v
+
+
+@pytest.mark.parametrize('height,width', GRIDS + [(5, 3)])
+@pytest.mark.parametrize('prefix', [0, 2])
+@pytest.mark.parametrize('masked', [False, True], ids=['whole_grid', 'key_mask'])
+def test_the_mixture_on_the_outputs_is_the_mixed_probabilities_times_the_values(height, width, prefix, masked):
+    """mix_outputs(A v, v) = mix_probabilities(A) v: P v as two 1D attentions over a whole grid (P is
+    separable), the dense masked P under a key mask (the second sequence keeps no grid key, the third
+    no key at all)."""
+    layer = drawn_gpsa_layer(prefix=prefix)
+    grid = TokenGrid(height, width, prefix)
+    keep = None
+    if masked:
+        keep = torch.rand(3, grid.num_tokens, generator=torch.Generator().manual_seed(1)) > 0.3
+        keep[0, -1] = True
+        keep[1, prefix:] = False
+        keep[1, 0] = True
+        keep[2] = False
+    attn, v = content_and_values(3, 3, grid.num_tokens, keep)
+    expected = layer.phi.mix_probabilities(attn, grid, keep) @ v
+    torch.testing.assert_close(layer.phi.mix_outputs(attn @ v, v, grid, keep), expected, rtol=0, atol=1e-14)
+
+
+def test_rows_of_images_mix_on_the_outputs_as_their_probabilities_do():
+    """mix_outputs_at = mix_probabilities_at(A) v on rows of images: a tall image lies transposed on the
+    canvas; with the layout's own padding mask (canvas) and with a key mask of the caller's (dense)."""
+    from posattn import ImageLayout
+    from posattn.positions import token_positions
+    layer = drawn_gpsa_layer(prefix=1)
+    layout = ImageLayout.padded([TokenGrid(3, 5, 1), TokenGrid(5, 2, 1), TokenGrid(1, 1, 1), TokenGrid(4, 4, 1)], 1)
+    positions = token_positions(layout, layout.num_rows, torch.device('cpu'))
+    user_mask = positions.valid & (torch.rand(positions.valid.shape, generator=torch.Generator().manual_seed(2)) > .3)
+    user_mask[:, 0] = True
+    for key_mask in (positions.valid, user_mask):
+        attn, v = content_and_values(positions.num_images, 3, positions.length, key_mask)
+        expected = layer.phi.mix_probabilities_at(attn, positions, key_mask) @ v
+        got = layer.phi.mix_outputs_at(attn @ v, v, positions, key_mask)
+        valid = positions.valid[:, None, :, None].expand_as(got)  # padding rows are dropped by the layer
+        torch.testing.assert_close(got[valid], expected[valid], rtol=0, atol=1e-14)
+
+
+def test_the_layer_keeps_its_fused_kernel_unless_something_reads_the_probabilities():
+    """gpsa mixes on the outputs; attention dropout while training, or a value term beside it in a
+    stack, needs the probabilities: the layer then forms them, and gives the same output."""
+    layer = drawn_gpsa_layer(prefix=1)
+    assert layer.phi.mixes_outputs and not layer.phi.needs_probabilities
+    assert not layer._materialises_probabilities()
+    layer.attn_drop.p = 0.1
+    assert layer.train()._materialises_probabilities() and not layer.eval()._materialises_probabilities()
+    stack = Attention(24, 3, phi=['gpsa', 'irpe'], phi_cfg=[None, dict(on='v')],
+                      num_prefix_tokens=1).double()
+    assert stack.phi.mixes_outputs and stack.phi.needs_probabilities and stack._materialises_probabilities()
+    twice = Attention(24, 3, phi=['gpsa', 'gpsa'], num_prefix_tokens=1).double()
+    assert twice.phi.mixes_outputs and not twice._materialises_probabilities()
+    x = torch.randn(2, 13, 24, dtype=torch.float64)
+    fused = twice(x, (3, 4))
+    twice.attn_drop.p = 1e-300  # forms the probabilities while training, drops nothing
+    torch.testing.assert_close(twice.train()(x, (3, 4)), fused, rtol=1e-13, atol=1e-14)
+
+
 def test_a_masked_layer_has_finite_gradients():
     layer = drawn_gpsa_layer(prefix=1)
     x = torch.randn(2, 7, 24, dtype=torch.float64)

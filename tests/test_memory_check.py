@@ -35,9 +35,11 @@ def test_the_estimate_counts_what_the_call_materialises(monkeypatch):
     Attention(16, 2, phi='irpe', phi_cfg=dict(mode='bias', on='k'), num_prefix_tokens=1)(x, (5, 6))
     Attention(16, 2, phi='decomposed_rpb', num_prefix_tokens=1)(x, (5, 6))
     Attention(16, 2, phi='gpsa', num_prefix_tokens=1)(x, (5, 6))
+    Attention(16, 2, phi='gpsa', num_prefix_tokens=1)(x, (5, 6), torch.ones(3, 31, dtype=torch.bool))
     # a bias that reads the tokens (contextual iRPE on k, decomposed_rpb) is one per image; the
-    # probabilities are materialised for iRPE on v and for gpsa's mixture
-    assert seen == [0, 2 * pairs, (2 * 3 + 2 * 3) * pairs, 2 * pairs, 2 * 3 * pairs, 2 * 3 * pairs]
+    # probabilities are materialised for iRPE on v; gpsa mixes on the outputs, by two 1D attentions
+    # over a whole grid and by its (B, heads, N, N) positional attention under a key mask
+    assert seen == [0, 2 * pairs, (2 * 3 + 2 * 3) * pairs, 2 * pairs, 2 * 3 * pairs, 0, 2 * 3 * pairs]
 
 
 def test_available_memory_is_read_on_the_cpu():

@@ -10,6 +10,11 @@ one interface, no special cases in the attention layer.
     A    <- mix_probabilities(A, grid, key_mask)  probabilities mixed with positional ones (ConViT's GPSA)
     out  =  A v + value_term(A, grid)             contextual terms on values (iRPE-V)
 
+A mixture A <- (1 - g) A + g P, affine in A, may also be given on the outputs,
+``mix_outputs(A v, v, grid, key_mask) = (1 - g) A v + g P v``: where nothing else reads the
+probabilities (no value term, no attention dropout while training), the layer then keeps its fused
+kernel and the Φp computes P v its own way (GPSA: two 1D attentions, P being separable).
+
 A Φp declares, in its constructor, which hooks it contributes (``hooks``), whether its logits
 bias depends on the tokens (``bias_per_image``) and what it reads that another module owns
 (``call_inputs``); the attention layer and its memory check read that declaration and call each
@@ -112,6 +117,8 @@ class PositionalModule(ConversionNotified, RecordedInStateDict):
                 raise TypeError(f'{cls.__name__} declares the hook {hook!r} but does not define it: override '
                                 f'{hook}(...)' + (' (or position_bias)' if hook == 'logits_bias' else '')
                                 + ', or leave it out of hooks')
+            if hook == 'mix_probabilities':  # its optional form on the outputs is called with them too
+                defined += [form for form in ('mix_outputs', 'mix_outputs_at') if _overrides(cls, form)]
             for form in defined:
                 missing = _not_taken(getattr(cls, form), self.call_inputs)
                 if missing:
@@ -166,10 +173,18 @@ class PositionalModule(ConversionNotified, RecordedInStateDict):
         return self.contributes('mix_probabilities')
 
     @property
+    def mixes_outputs(self) -> bool:
+        """Whether this Φp's mixture has its form on the attention outputs, :meth:`mix_outputs` (and
+        :meth:`mix_outputs_at` where it runs on a layout in one call)."""
+        cls = type(self)
+        forms = ('mix_outputs', 'mix_outputs_at') if _overrides(cls, 'mix_probabilities_at') else ('mix_outputs',)
+        return self.mixes_probabilities and all(_overrides(cls, form) for form in forms)
+
+    @property
     def needs_probabilities(self) -> bool:
-        """Whether a declared hook reads the (B, heads, N, N) probabilities (a mixture or a value
-        term), which the layer then materialises (no fused kernel)."""
-        return self.contributes('mix_probabilities') or self.contributes('value_term')
+        """Whether a declared hook reads the (B, heads, N, N) probabilities (a value term, or a mixture
+        with no form on the outputs), which the layer then materialises (no fused kernel)."""
+        return self.contributes('value_term') or (self.mixes_probabilities and not self.mixes_outputs)
 
     # What this Φp is: shown in its repr, recorded with its weights, checked when weights load.
 
@@ -248,6 +263,13 @@ class PositionalModule(ConversionNotified, RecordedInStateDict):
         no query may attend to, which the result must leave at 0. Rows of the result sum to 1."""
         return attn
 
+    def mix_outputs(self, out: torch.Tensor, v: torch.Tensor, grid: TokenGrid,
+                    key_mask: Optional[torch.Tensor] = None, **given: Any) -> torch.Tensor:
+        """:meth:`mix_probabilities` on the outputs, for a mixture affine in the probabilities: given
+        ``out`` = A v (B, heads, N, d) of the content probabilities A and the values ``v`` (B, heads,
+        N, d), ``mix_probabilities(A) @ v``, computed without A. Optional (module docstring)."""
+        raise NotImplementedError
+
     def value_term(self, attn: torch.Tensor, grid: TokenGrid, **given: Any) -> Optional[torch.Tensor]:
         """Term added to ``attn @ v``, given the probabilities ``attn`` (B, heads, N, N)."""
         return None
@@ -275,6 +297,12 @@ class PositionalModule(ConversionNotified, RecordedInStateDict):
                              **given: Any) -> torch.Tensor:
         """:meth:`mix_probabilities` on rows of images: ``attn`` (I, heads, M, M), ``key_mask`` (I, M)
         False at padding and at keys the caller masked, which the result must leave at 0."""
+        raise NotImplementedError
+
+    def mix_outputs_at(self, out: torch.Tensor, v: torch.Tensor, positions: 'TokenPositions', key_mask: torch.Tensor,
+                       **given: Any) -> torch.Tensor:
+        """:meth:`mix_outputs` on rows of images, ``out`` and ``v`` (I, heads, M, d), ``key_mask`` as
+        :meth:`mix_probabilities_at`'s."""
         raise NotImplementedError
 
     def value_term_at(self, attn: torch.Tensor, positions: 'TokenPositions', **given: Any) -> Optional[torch.Tensor]:

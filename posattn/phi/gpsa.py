@@ -25,6 +25,18 @@ pair of a row of images reads its offset's entry by a cached per-pair index in o
 (I, heads, M, M); the softmax then runs over the grid keys of the query's own image that the key
 mask keeps, and a query whose image has no such key gets gate 0, so no row needs renormalising.
 
+Where nothing else reads the probabilities, the layer mixes on its outputs (:meth:`mix_outputs`):
+(1 - σ(λ_h)) A_c v + σ(λ_h) P v, the content part from the fused kernel. P is separable over a whole
+grid, exp(v_h · r + c_h) being a product of a function of dx and one of dy:
+
+    P[(y, x), (y', x')] = P^y[y, y'] P^x[x, x'],   P^x[x, x'] = softmax_x'(v_h0 (x' - x) + v_h2 (x' - x)²)
+
+and P^y likewise with v_h1 (c_h cancels in the softmax), so P v is two 1D attentions, along the
+columns then the rows: O(HW (H + W)) instead of O((HW)²), and no (heads, HW, HW) term. On a layout,
+each image lies on a canvas of the layout's longest short side by its longest long side (an image
+taller than wide transposed), the keys beyond its sides out of both softmaxes. A key mask that cuts
+a grid takes the dense positional attention instead.
+
 Local init (``local_init``, timm's ``GPSA.local_init``): with k = floor(sqrt(heads)) and c = (k - 1) / 2,
 head h1 + k h2 (h1, h2 in 0 .. k - 1) gets v_h = α (2 (h2 - c), 2 (h1 - c), -1), α =
 ``locality_strength``, so that its positional logit is -α ||(dx, dy) - Δ_h||² + const: a Gaussian
@@ -38,10 +50,12 @@ layer keeps its own initialisation of it. The formula, pair by pair:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
 from .._cache import grid_constant
@@ -187,6 +201,41 @@ class GatedPositionalAttention(PositionalModule):
         total = mixed.sum(-1, keepdim=True)  # < 1 where masking left a grid query no grid key
         return mixed / total.masked_fill(total == 0, 1.0)
 
+    def mix_outputs(self, out: torch.Tensor, v: torch.Tensor, grid: TokenGrid,
+                    key_mask: Optional[torch.Tensor] = None, **given: Any) -> torch.Tensor:
+        """:meth:`mix_probabilities` on the outputs: (1 - σ(λ_h)) ``out`` + σ(λ_h) P v for every grid
+        query (a prefix query, and the grid queries of a sequence with no grid key left, keep ``out``),
+        ``out`` = A_c v and ``v`` (B, heads, N, d); P v as two 1D attentions (module docstring) unless
+        ``key_mask`` (B, N) is given. (B, heads, N, d) in ``out``'s dtype."""
+        grid = self._grid(grid)
+        values = v[:, :, grid.num_prefix_tokens:]  # (B, heads, HW, d)
+        gates = self._query_gates(grid)  # (1, heads, N, 1)
+        if key_mask is None:
+            along_rows, along_cols = (factor.to(v.dtype) for factor in self.axis_attentions(grid.height, grid.width))
+            canvas = rearrange(values, 'b h (y x) d -> b h y x d', y=grid.height)
+            canvas = along_cols[:, None] @ canvas  # P^x along each row: (B, heads, H, W, d)
+            canvas = along_rows @ canvas.flatten(-2)  # then P^y along each column: (B, heads, H, W d)
+            position_out = canvas.view_as(values)
+        else:
+            position = self._masked_position_attention(grid, key_mask)  # (B, heads, HW, HW), 0 with no grid key
+            position_out = position.to(v.dtype) @ values
+            has_grid_key = key_mask[:, grid.num_prefix_tokens:].any(-1).to(gates.device)  # (B,)
+            gates = gates * has_grid_key[:, None, None, None]
+        position_out = F.pad(position_out, (0, 0, grid.num_prefix_tokens, 0))  # a prefix query: gate 0
+        return torch.lerp(out, position_out, gates.to(out.dtype))  # (1 - g) A_c v + g P v
+
+    def axis_attentions(self, height: int, width: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The 1D factors of the positional attention over an H x W grid (module docstring): P^y
+        (heads, H, H) and P^x (heads, W, W), [head, query, key], rows summing to 1, in ``pos_proj``'s
+        dtype. c_h, constant along the keys, is kept in P^y's logits: its gradient is that of the 2D
+        softmax, zero."""
+        weight, bias = self.pos_proj.weight, self.pos_proj.bias
+        rows = _axis_logits(weight[:, 1], weight[:, 2], _axis_offsets(height, weight.dtype, weight.device))
+        cols = _axis_logits(weight[:, 0], weight[:, 2], _axis_offsets(width, weight.dtype, weight.device))
+        if bias is not None:
+            rows = rows + bias[:, None, None]
+        return rows.softmax(-1), cols.softmax(-1)
+
     def mix_probabilities_at(self, attn: torch.Tensor, positions: TokenPositions, key_mask: torch.Tensor,
                              **given: Any) -> torch.Tensor:
         """A of the module docstring on rows of images, ``attn`` (I, heads, M, M): each grid query's
@@ -194,6 +243,52 @@ class GatedPositionalAttention(PositionalModule):
         the offsets r_ij there; a prefix query, and a grid query of an image with no grid key left,
         keeps its content attention (its gate is 0). Rows sum to 1 as both terms' do (0 for a query
         with no key left); (I, heads, M, M) in ``attn``'s dtype."""
+        position, gates = self._layout_position_attention(positions, key_mask)
+        return torch.lerp(attn, position.to(attn.dtype), gates.to(attn.dtype))  # (1 - g) A_c + g A_p, one pass
+
+    def mix_outputs_at(self, out: torch.Tensor, v: torch.Tensor, positions: TokenPositions, key_mask: torch.Tensor,
+                       **given: Any) -> torch.Tensor:
+        """:meth:`mix_probabilities_at` on the outputs, ``out`` = A_c v and ``v`` (I, heads, M, d): P v
+        as two 1D attentions on a canvas (module docstring) where ``key_mask`` is the layout's padding
+        mask, else by the dense positional attention. (I, heads, M, d) in ``out``'s dtype."""
+        if positions.keeps_a_key(key_mask):  # every image's grid whole
+            checked_grid_prefix(positions, self.num_prefix_tokens, 'gpsa')
+            position_out = self._canvas_outputs(v, positions)
+            gates = self.gate[None, :, None, None] * positions.is_grid[:, None, :, None]  # (I, heads, M, 1)
+        else:
+            position, gates = self._layout_position_attention(positions, key_mask)
+            position_out = position.to(v.dtype) @ v
+        return torch.lerp(out, position_out, gates.to(out.dtype))
+
+    def _canvas_outputs(self, v: torch.Tensor, positions: TokenPositions) -> torch.Tensor:
+        """P v of every token of rows of whole images, ``v`` (I, heads, M, d): the values on each image's
+        canvas, (I, heads, L, S, d) with S and L the layout's longest short and long sides, P's long-side
+        factor along each canvas row, then its short-side factor along each column; (I, heads, M, d),
+        any finite value at a prefix or padding token. A cell off the image holds some token's value,
+        which both factors weigh by exactly 0."""
+        weight, bias = self.pos_proj.weight, self.pos_proj.bias
+        canvas = _layout_canvas(positions.layout, positions.batch, v.device)
+        short = _axis_offsets(canvas.short, weight.dtype, weight.device)  # (S, S)
+        long = _axis_offsets(canvas.long, weight.dtype, weight.device)  # (L, L)
+        transposed = canvas.transposed  # (I, 1): an image taller than wide lies transposed
+        along_short = _axis_logits(torch.where(transposed, weight[:, 0], weight[:, 1]), weight[:, 2], short)
+        along_long = _axis_logits(torch.where(transposed, weight[:, 1], weight[:, 0]), weight[:, 2], long)
+        if bias is not None:
+            along_short = along_short + bias[:, None, None]
+        along_short = along_short.masked_fill(~canvas.short_keys[:, None, None, :], float('-inf')).softmax(-1)
+        along_long = along_long.masked_fill(~canvas.long_keys[:, None, None, :], float('-inf')).softmax(-1)
+        images, heads, _, channels = v.shape
+        cells = v.gather(2, canvas.cell_token[:, None, :, None].expand(-1, heads, -1, channels))  # (I, heads, L S, d)
+        cells = along_long.to(v.dtype) @ cells.view(images, heads, canvas.long, -1)  # along each canvas row
+        cells = along_short.to(v.dtype)[:, :, None] @ cells.view(images, heads, canvas.long, canvas.short, channels)
+        cells = cells.view(images, heads, -1, channels)  # then along each column: (I, heads, L S, d)
+        return cells.gather(2, canvas.token_cell[:, None, :, None].expand(-1, heads, -1, channels))
+
+    def _layout_position_attention(self, positions: TokenPositions,
+                                   key_mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Each grid query's positional attention over the grid keys of its own image that ``key_mask``
+        (I, M) keeps, (I, heads, M, M), and each query's gate (I, heads, M, 1): σ(λ_h) for a grid query of
+        an image with a grid key left, 0 otherwise."""
         checked_grid_prefix(positions, self.num_prefix_tokens, 'gpsa')
         grid_keys = key_mask & positions.is_grid  # (I, M)
         has_grid_key = grid_keys.any(-1, keepdim=True)  # (I, 1)
@@ -201,8 +296,7 @@ class GatedPositionalAttention(PositionalModule):
         logits = self._layout_position_logits(positions)  # (I, heads, M, M)
         position = logits.masked_fill_(~kept[:, None, None, :], float('-inf')).softmax(-1)
         mixing = positions.is_grid & has_grid_key  # (I, M): the queries that mix in a positional attention
-        gates = self.gate[None, :, None, None] * mixing[:, None, :, None]  # (I, heads, M, 1)
-        return torch.lerp(attn, position.to(attn.dtype), gates.to(attn.dtype))  # (1 - g) A_c + g A_p, one pass
+        return position, self.gate[None, :, None, None] * mixing[:, None, :, None]
 
     def _layout_position_logits(self, positions: TokenPositions) -> torch.Tensor:
         """v_h · r_ij + c_h of every pair of a row of images: (I, heads, M, M) in ``pos_proj``'s dtype, a
@@ -218,6 +312,63 @@ class GatedPositionalAttention(PositionalModule):
     def settings(self) -> Dict[str, Any]:
         # locality_strength and local_init only initialise pos_proj
         return {'num_heads': self.num_heads, 'num_prefix_tokens': self.num_prefix_tokens}
+
+
+def _axis_logits(slope: torch.Tensor, curvature: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """slope · δ + curvature · δ² of the offsets δ (L, L), key minus query along one axis, with
+    ``slope`` (heads,) or (I, heads) and ``curvature`` (heads,): (heads, L, L) or (I, heads, L, L)."""
+    return slope[..., None, None] * offsets + curvature[:, None, None] * offsets.square()
+
+
+def _axis_offsets(length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """δ = key minus query along an axis of ``length`` cells: (L, L) in ``dtype``, [query, key]."""
+    cells = torch.arange(length, device=device)
+    return (cells[None] - cells[:, None]).to(dtype)
+
+
+@dataclass(frozen=True)
+class _Canvas:
+    """Where the tokens of a layout's images (one a row) lie on a canvas of S x L cells, S and L the
+    longest short and long sides of its grids: cell (a, b) of an image is its grid cell (row a, column
+    b), or (row b, column a) for an image taller than wide."""
+    transposed: torch.Tensor  # (I, 1) bool: the image lies transposed
+    short_keys: torch.Tensor  # (I, S) bool: a canvas row of the image
+    long_keys: torch.Tensor  # (I, L) bool: a canvas column of the image
+    cell_token: torch.Tensor  # (I, L S) int64: the token at cell (a, b), at b S + a; any token where none lies
+    token_cell: torch.Tensor  # (I, M) int64: b S + a of each grid token's cell, 0 for a prefix or padding token
+
+    @property
+    def short(self) -> int:
+        return self.short_keys.shape[1]
+
+    @property
+    def long(self) -> int:
+        return self.long_keys.shape[1]
+
+
+def _layout_canvas(layout: ImageLayout, batch: int, device: torch.device) -> _Canvas:
+    """The :class:`_Canvas` of ``layout``'s images in a (``batch``, L, C) tensor, on ``device``; cached."""
+    return _Canvas(*_canvas_tensors(layout, batch, device))
+
+
+@grid_constant(max_bytes=64 << 20)
+def _canvas_tensors(layout: ImageLayout, batch: int, device: torch.device) -> Tuple[torch.Tensor, ...]:
+    """The tensors of :class:`_Canvas`, in its order; a pure function of its arguments."""
+    positions = token_positions(layout, batch, torch.device('cpu'))
+    heights = torch.tensor([grid.height for grid in layout.grids])[:, None]  # (I, 1)
+    widths = torch.tensor([grid.width for grid in layout.grids])[:, None]
+    transposed = heights > widths
+    short_sides, long_sides = torch.minimum(heights, widths), torch.maximum(heights, widths)
+    short, long = int(short_sides.max()), int(long_sides.max())
+    b, a = (index.flatten()[None] for index in torch.meshgrid(torch.arange(long), torch.arange(short), indexing='ij'))
+    row, col = torch.where(transposed, b, a), torch.where(transposed, a, b)  # (I, L S): the grid cell of each
+    inside = (row < heights) & (col < widths)
+    cell_token = torch.where(inside, layout.num_prefix_tokens + row * widths + col, 0)
+    canvas_row = torch.where(transposed, positions.col, positions.row)  # (I, M)
+    canvas_col = torch.where(transposed, positions.row, positions.col)
+    token_cell = torch.where(positions.is_grid, canvas_col * short + canvas_row, 0)
+    return tuple(t.to(device) for t in (transposed, torch.arange(short)[None] < short_sides,
+                                        torch.arange(long)[None] < long_sides, cell_token, token_cell))
 
 
 @grid_constant(max_bytes=64 << 20)

@@ -7,7 +7,8 @@ union of their declared hooks:
     x    <- tokens_m(x)             for m in order      token hooks in sequence
     q, k <- queries_keys_m(q, k)    for m in order      q/k transforms in sequence
     b     = sum_m logits_bias_m(q, k)                   biases summed (each sees the final q, k)
-    A    <- mix_probabilities_m(A)  for m in order      mixtures in sequence
+    A    <- mix_probabilities_m(A)  for m in order      mixtures in sequence (or on the outputs, where
+                                                        every mixing member has that form)
     t     = sum_m value_term_m(A)                       value terms summed (each sees the final A)
 
 A list of names builds one: ``Attention(dim, heads, phi=['rope', 'rpb'])``; its state-dict keys
@@ -87,12 +88,24 @@ class PhiStack(PositionalModule):
             attn = member.hook('mix_probabilities', where)(attn, where, key_mask, **member.given(given))
         return attn
 
+    def mix_outputs(self, out: torch.Tensor, v: torch.Tensor, where: Where, key_mask: Optional[torch.Tensor] = None,
+                    **given: Any) -> torch.Tensor:
+        for member in self._contributing('mix_probabilities'):  # affine mixtures in sequence, on the outputs
+            out = member.hook('mix_outputs', where)(out, v, where, key_mask, **member.given(given))
+        return out
+
+    @property
+    def mixes_outputs(self) -> bool:
+        """Whether every mixing member gives its mixture on the outputs, so that the stack does."""
+        mixing = list(self._contributing('mix_probabilities'))
+        return bool(mixing) and all(member.mixes_outputs for member in mixing)
+
     def value_term(self, attn: torch.Tensor, where: Where, **given: Any) -> Optional[torch.Tensor]:
         return _sum(member.hook('value_term', where)(attn, where, **member.given(given))
                     for member in self._contributing('value_term'))
 
     queries_keys_at, logits_bias_at = queries_keys, logits_bias
-    mix_probabilities_at, value_term_at = mix_probabilities, value_term
+    mix_probabilities_at, mix_outputs_at, value_term_at = mix_probabilities, mix_outputs, value_term
 
     @property
     def runs_on_token_positions(self) -> bool:
