@@ -40,9 +40,10 @@ $(STAMP): pyproject.toml Makefile tools/build_mmcv.sh | $(BIN)/python
 setup: $(STAMP)
 
 # One pytest worker a core, each on one thread (two threads a process on a shared core run many
-# times slower), a test file to a worker so that its fixtures are made once; the 25 slowest printed.
+# times slower), a test file to a worker so that its fixtures are made once, the longest files first
+# (tests/conftest.py); the 25 slowest printed.
 test: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m 'environment or not environment' -n auto --dist loadfile --durations=25
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m 'environment or not environment' -n auto --dist loadfile --no-loadscope-reorder --durations=25
 
 # The main job: train PerViT-T on the embedded positional-shapes set.
 run: setup

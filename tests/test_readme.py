@@ -22,7 +22,7 @@ README = REPO / 'README.md'
 MAKE_TARGET_COMMANDS = {
     'run': '.venv/bin/python tools/train.py configs/pervit_t_shapes.py',
     'test': ("OMP_NUM_THREADS=1 .venv/bin/python -m pytest -m 'environment or not environment' -n auto "
-             '--dist loadfile --durations=25'),
+             '--dist loadfile --no-loadscope-reorder --durations=25'),
 }
 
 

@@ -31,10 +31,12 @@ __all__ = ['import_mmpretrain_beside_transformers', 'missing_imports']
 _SOURCES = ('models', 'datasets')  # the mmpretrain packages that read the flag, with their subpackages
 
 
-def missing_imports(files: Iterable[Path], package: str) -> List[Tuple[str, str, str]]:
+def missing_imports(files: Iterable[Path], package: str, *, first_module: bool = False) -> List[Tuple[str, str, str]]:
     """Of the absolute ``from <package>... import <name>`` statements in ``files`` (read as source,
     not run), those whose module does not import or has no such name (nor submodule):
-    (module, name, file) each, sorted."""
+    (module, name, file) each, sorted. ``first_module``: only those of the first module found to
+    lack a name, the modules whose names can be read from their source looked at first (whether
+    anything is missing, without importing packages where that shows it)."""
     wanted = set()
     for path in files:
         source = path.read_text(encoding='utf-8')
@@ -43,7 +45,23 @@ def missing_imports(files: Iterable[Path], package: str) -> List[Tuple[str, str,
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.split('.')[0] == package:
                 wanted.update((node.module, alias.name, path.name) for alias in node.names)
-    return sorted(entry for entry in wanted if not _importable(*entry[:2]))
+    if not first_module:
+        return sorted(entry for entry in wanted if not _importable(*entry[:2]))
+    modules = sorted({module for module, _, _ in wanted}, key=lambda module: (not _is_source_file(module), module))
+    for module in modules:
+        missing = sorted(entry for entry in wanted if entry[0] == module and not _importable(*entry[:2]))
+        if missing:
+            return missing
+    return []
+
+
+def _is_source_file(module: str) -> bool:
+    """Whether ``module`` is a plain source file (not a package), whose names are read without running it."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except Exception:
+        return False
+    return spec is not None and spec.submodule_search_locations is None and _top_level_names(spec.origin) is not None
 
 
 def _importable(module: str, name: str) -> bool:
@@ -110,7 +128,7 @@ def import_mmpretrain_beside_transformers() -> Optional[str]:
         return None
     root = Path(importlib.util.find_spec('mmpretrain').origin).parent
     missing = missing_imports((path for package in _SOURCES for path in (root / package).rglob('*.py')),
-                              'transformers')
+                              'transformers', first_module=True)
     if not missing:
         return None
     dependency.WITH_MULTIMODAL = False
@@ -121,7 +139,7 @@ def import_mmpretrain_beside_transformers() -> Optional[str]:
         dependency.WITH_MULTIMODAL = True
     names = sorted({f'{module}.{name}' for module, name, _ in missing})
     reason = (f"mmpretrain's multimodal models and datasets (BLIP, BLIP-2, OFA, RAM, ...) import names that "
-              f"transformers {_version('transformers')} does not have ({', '.join(names)}): posattn imported "
+              f"transformers {_version('transformers')} does not have (among them {', '.join(names)}): posattn imported "
               'mmpretrain without them, and building one raises ImportError. Every other mmpretrain, mmdet and '
               'mmseg model works')
     warnings.warn(reason, stacklevel=2)
