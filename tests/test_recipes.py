@@ -202,7 +202,7 @@ def test_the_documented_commands_learn_where_things_are_and_test_at_other_sizes(
         saved_config, checkpoint = work_dir / Path(config).name, work_dir / 'epoch_30.pth'
         assert 'Finished 30 epochs' in output and list(work_dir.glob('best_accuracy_top1_epoch_*.pth'))
         assert f'python tools/analyze.py {saved_config} ' in output  # the config with the command line's settings
-        for size in ('64', '96'):  # 1x and 1.5x
+        for size in ('64', '96') if 'pervit' in config else ('96',):  # 1x and 1.5x (1x once: the same path)
             tested = run([test[0], test[1], str(saved_config), str(checkpoint), '--img-size', size,
                           '--out', str(work_dir / f'top1_{size}.json'), '--work-dir', str(work_dir / f'test_{size}')],
                          tmp_path)

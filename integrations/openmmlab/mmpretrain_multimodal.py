@@ -35,8 +35,8 @@ def missing_imports(files: Iterable[Path], package: str, *, first_module: bool =
     """Of the absolute ``from <package>... import <name>`` statements in ``files`` (read as source,
     not run), those whose module does not import or has no such name (nor submodule):
     (module, name, file) each, sorted. ``first_module``: only those of the first module found to
-    lack a name, the modules whose names can be read from their source looked at first (whether
-    anything is missing, without importing packages where that shows it)."""
+    lack a name, plain source files first and the most imported from first (whether anything is
+    missing, without importing packages or reading every file where that shows it)."""
     wanted = set()
     for path in files:
         source = path.read_text(encoding='utf-8')
@@ -47,7 +47,10 @@ def missing_imports(files: Iterable[Path], package: str, *, first_module: bool =
                 wanted.update((node.module, alias.name, path.name) for alias in node.names)
     if not first_module:
         return sorted(entry for entry in wanted if not _importable(*entry[:2]))
-    modules = sorted({module for module, _, _ in wanted}, key=lambda module: (not _is_source_file(module), module))
+    counts = {}
+    for module, _, _ in wanted:
+        counts[module] = counts.get(module, 0) + 1
+    modules = sorted(counts, key=lambda module: (not _is_source_file(module), -counts[module], module))
     for module in modules:
         missing = sorted(entry for entry in wanted if entry[0] == module and not _importable(*entry[:2]))
         if missing:
@@ -56,12 +59,12 @@ def missing_imports(files: Iterable[Path], package: str, *, first_module: bool =
 
 
 def _is_source_file(module: str) -> bool:
-    """Whether ``module`` is a plain source file (not a package), whose names are read without running it."""
+    """Whether ``module`` is a plain source file (not a package), whose names may be read without running it."""
     try:
         spec = importlib.util.find_spec(module)
     except Exception:
         return False
-    return spec is not None and spec.submodule_search_locations is None and _top_level_names(spec.origin) is not None
+    return spec is not None and spec.submodule_search_locations is None and str(spec.origin).endswith('.py')
 
 
 def _importable(module: str, name: str) -> bool:
