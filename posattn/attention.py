@@ -284,9 +284,9 @@ class Attention(nn.Module):
     def _check_memory(self, q: torch.Tensor, grid: Where, materialised: bool) -> None:
         """Fail before the work when the (heads, N, N) terms this call needs cannot fit: a
         positional bias (and its computation, about as large again; once per image for a bias that
-        depends on the tokens), and the attention
-        probabilities (B, heads, N, N) where they are materialised (or a mixture's, as large). A traced call (``torch.compile``,
-        ``torch.export``) checks nothing: its sizes may be symbolic, and the check would fix them."""
+        depends on the tokens), and the attention probabilities (B, heads, N, N) where they are
+        materialised (or a mixture's, as large). A traced call (``torch.compile``, ``torch.export``)
+        checks nothing: its sizes may be symbolic, and the check would fix them."""
         if torch.compiler.is_compiling():
             return
         batch, heads, tokens, _ = q.shape

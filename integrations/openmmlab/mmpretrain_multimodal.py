@@ -23,6 +23,7 @@ import importlib
 import importlib.util
 import sys
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import FrozenSet, Iterable, List, Optional, Tuple
 
@@ -47,9 +48,7 @@ def missing_imports(files: Iterable[Path], package: str, *, first_module: bool =
                 wanted.update((node.module, alias.name, path.name) for alias in node.names)
     if not first_module:
         return sorted(entry for entry in wanted if not _importable(*entry[:2]))
-    counts = {}
-    for module, _, _ in wanted:
-        counts[module] = counts.get(module, 0) + 1
+    counts = Counter(module for module, _, _ in wanted)
     modules = sorted(counts, key=lambda module: (not _is_source_file(module), -counts[module], module))
     for module in modules:
         missing = sorted(entry for entry in wanted if entry[0] == module and not _importable(*entry[:2]))
